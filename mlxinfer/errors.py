@@ -1,0 +1,37 @@
+"""Errors a user can fix. The CLI prints them as one line and exits with ``exit_code``."""
+
+from __future__ import annotations
+
+
+class MlxinferError(Exception):
+    """Bad input or environment: the message says what is wrong and how to fix it."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+    def __str__(self) -> str:
+        msg = super().__str__()
+        return f"{msg} ({self.hint})" if self.hint else msg
+
+
+class ModelNotFound(MlxinferError):
+    pass
+
+
+class InvalidModel(MlxinferError):
+    pass
+
+
+class ConfigError(MlxinferError):
+    pass
+
+
+class InvalidParameter(MlxinferError):
+    pass
+
+
+class DownloadError(MlxinferError):
+    pass

