@@ -1,0 +1,232 @@
+"""The one place that swaps mlx-lm's quantized linear layers, SwiGLU MLPs and attention call for kernel-backed ones.
+
+``apply_kernels(model, mode)`` picks a provider for the current backend (Metal -> our .metal kernels, CUDA -> the
+same bodies through ``mx.fast.cuda_kernel``, CPU -> ``mlxinfer.native.provider()``) and then:
+
+* turns every plain ``nn.QuantizedLinear`` into ``KernelQuantizedLinear`` (a subclass: same parameters, same
+  ``isinstance``), whose ``__call__`` asks the provider first and falls back to the built-in;
+* turns MLPs whose ``__call__`` is exactly mlx-lm's ``down_proj(swiglu(gate_proj(x), up_proj(x)))`` into a subclass
+  that asks the provider's optional ``swiglu`` for the fused gate/up step;
+* replaces ``scaled_dot_product_attention`` in the model's mlx-lm module (models do
+  ``from .base import scaled_dot_product_attention``) with a wrapper that asks the provider first.
+
+The attention swap is per mlx-lm *module* (e.g. all llama models in the process), not per model instance;
+``apply_kernels(model, "builtin")`` undoes both swaps.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxinfer.errors import InvalidParameter, MlxinferError
+from mlxinfer.kernels.provider import KernelProvider
+
+ENV_VAR = "MLXINFER_KERNELS"
+MODES = ("auto", "custom", "builtin")
+_SWIGLU_CALL = "self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))"
+
+# mlx-lm module name -> its original scaled_dot_product_attention, so "builtin" can restore it.
+_ORIGINAL_SDPA: dict = {}
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    name: str  # "metal-custom" | "cuda-custom" | "cpu-native" | "builtin"
+    detail: str  # one line for the chat header and bench provenance
+
+
+def backend() -> str:
+    """"metal", "cuda" or "cpu": where MLX runs ops by default in this process."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        if mx.cuda.is_available():
+            return "cuda"
+    return "cpu"
+
+
+def resolve_mode(mode: str = "auto") -> str:
+    """The explicit mode, or for "auto" the ``MLXINFER_KERNELS`` environment variable when it is set."""
+    if mode == "auto":
+        mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+        source = f"{ENV_VAR}={mode!r}"
+    else:
+        source = f"--kernels {mode!r}"
+    if mode not in MODES:
+        raise InvalidParameter(f"unknown kernel mode {source}", hint="use auto, custom or builtin")
+    return mode
+
+
+def select_provider(name: Optional[str] = None) -> Tuple[Optional[KernelProvider], str]:
+    """(provider or None, one-line reason) for the given backend (default: the current one)."""
+    name = name or backend()
+    if name in ("metal", "cuda"):
+        from mlxinfer.kernels import gpu  # lazily: builds kernels only when a GPU backend asks
+
+        return gpu.provider(name), gpu.status(name)
+    try:
+        native = importlib.import_module("mlxinfer.native")
+    except ImportError as exc:
+        return None, f"native CPU kernels are not installed ({exc})"
+    provider = native.provider()
+    return provider, native.status()
+
+
+def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
+    """Route ``model``'s quantized matmuls and attention through the backend's custom kernels (see module doc)."""
+    mode = resolve_mode(mode)
+    if mode == "builtin":
+        restore_builtin(model)
+        return KernelReport("builtin", "MLX built-in kernels (requested)")
+    where = backend()
+    provider, why = select_provider(where)
+    if provider is None:
+        if mode == "custom":
+            raise MlxinferError(
+                f"custom kernels are not available on the {where} backend: {why}",
+                hint="use --kernels builtin or --kernels auto",
+            )
+        restore_builtin(model)
+        return KernelReport("builtin", f"MLX built-in kernels ({why})")
+    n_linear = _swap_linears(model, provider)
+    n_mlp = _swap_mlps(model, provider)
+    modules = _swap_attention(model, provider)
+    detail = (
+        f"{provider.name} on {where}: {n_linear} quantized linear layers, {n_mlp} fused SwiGLU MLPs, "
+        f"attention in {', '.join(modules) or 'no modules'}"
+    )
+    return KernelReport(provider.name, detail)
+
+
+def restore_builtin(model: nn.Module) -> None:
+    """Undo ``apply_kernels``: the model's layers and its modules' attention call are MLX's again."""
+    for _, m in model.named_modules():
+        if isinstance(m, KernelQuantizedLinear):
+            m.__class__ = nn.QuantizedLinear
+            m.__dict__.pop("_kernel_provider", None)
+        elif getattr(type(m), "_fused_base", None) is not None:
+            m.__class__ = type(m)._fused_base
+            m.__dict__.pop("_kernel_provider", None)
+    for modname in _model_module_names(model):
+        if modname in _ORIGINAL_SDPA:
+            setattr(sys.modules[modname], "scaled_dot_product_attention", _ORIGINAL_SDPA.pop(modname))
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose matmul asks the kernel provider first (made by swapping ``__class__``)."""
+
+    _kernel_provider: KernelProvider
+
+    def __call__(self, x):
+        y = self._kernel_provider.quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"),
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
+        )
+        if y is None:
+            return super().__call__(x)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def _swap_linears(model: nn.Module, provider: KernelProvider) -> int:
+    count = 0
+    for _, m in model.named_modules():
+        # Only the exact class: a subclass (e.g. a LoRA layer) may rely on its own __call__.
+        if type(m) is nn.QuantizedLinear or type(m) is KernelQuantizedLinear:
+            m.__class__ = KernelQuantizedLinear
+            m._kernel_provider = provider
+            count += 1
+    return count
+
+
+_FUSED_CLASSES: dict = {}
+
+
+def _fused_class(base: type) -> type:
+    """A subclass of an mlx-lm SwiGLU MLP class whose ``__call__`` tries the provider's fused kernel."""
+    if base not in _FUSED_CLASSES:
+
+        def __call__(self, x):
+            g, u = self.gate_proj, self.up_proj
+            h = self._kernel_provider.swiglu(
+                x, (g["weight"], g["scales"], g.get("biases")), (u["weight"], u["scales"], u.get("biases")),
+                group_size=g.group_size, bits=g.bits,
+            )
+            if h is None:
+                return base.__call__(self, x)
+            return self.down_proj(h)
+
+        _FUSED_CLASSES[base] = type(f"Fused{base.__name__}", (base,), {"__call__": __call__, "_fused_base": base})
+    return _FUSED_CLASSES[base]
+
+
+def _is_plain_swiglu_mlp(m: nn.Module) -> bool:
+    cls = type(m)
+    if getattr(cls, "_fused_base", None) is not None:
+        cls = cls._fused_base
+    try:
+        source = inspect.getsource(cls.__call__)
+    except (OSError, TypeError):
+        return False
+    layers = [getattr(m, name, None) for name in ("gate_proj", "up_proj")]
+    return (
+        _SWIGLU_CALL in source
+        and all(isinstance(q, nn.QuantizedLinear) and "bias" not in q and q.mode == "affine" for q in layers)
+        and layers[0].group_size == layers[1].group_size
+        and layers[0].bits == layers[1].bits
+    )
+
+
+def _swap_mlps(model: nn.Module, provider: KernelProvider) -> int:
+    if getattr(provider, "swiglu", None) is None:
+        return 0
+    count = 0
+    for _, m in model.named_modules():
+        if _is_plain_swiglu_mlp(m):
+            base = getattr(type(m), "_fused_base", None) or type(m)
+            m.__class__ = _fused_class(base)
+            m._kernel_provider = provider
+            count += 1
+    return count
+
+
+def _model_module_names(model: nn.Module) -> list:
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    return sorted(n for n in names if hasattr(sys.modules.get(n), "scaled_dot_product_attention"))
+
+
+def _make_sdpa(provider: KernelProvider, original: Callable) -> Callable:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if sinks is None:
+            if hasattr(cache, "bits"):  # QuantizedKVCache: keys/values are (packed, scales, biases) triples
+                fn = getattr(provider, "quantized_sdpa", None)
+                out = None if fn is None else fn(
+                    queries, keys, values, scale=scale, mask=mask, group_size=cache.group_size, bits=cache.bits
+                )
+            else:
+                out = provider.sdpa(queries, keys, values, scale=scale, mask=mask)
+            if out is not None:
+                return out
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention._kernel_provider = provider
+    return scaled_dot_product_attention
+
+
+def _swap_attention(model: nn.Module, provider: KernelProvider) -> list:
+    swapped = []
+    for modname in _model_module_names(model):
+        module = sys.modules[modname]
+        original = _ORIGINAL_SDPA.setdefault(modname, module.scaled_dot_product_attention)
+        module.scaled_dot_product_attention = _make_sdpa(provider, original)
+        swapped.append(modname.rsplit(".", 1)[-1])
+    return swapped

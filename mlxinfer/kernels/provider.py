@@ -1,0 +1,61 @@
+"""The kernel-provider contract shared by the Metal/CUDA kernels and the native CPU kernels.
+
+A provider offers faster versions of the two operations that dominate decoding. Every method may return
+``None`` to say "this shape/dtype is not mine": ``kernels.patch`` then calls the MLX built-in instead, so a
+provider only needs to cover the cases it is good at.
+
+Required methods: ``quantized_matmul`` and ``sdpa``. Optional methods (looked up with ``getattr``, so CPU
+providers may leave them out): ``quantized_sdpa`` (attention over mlx-lm's ``QuantizedKVCache``) and
+``swiglu`` (the fused ``silu(x·Wg) * (x·Wu)`` decode step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Tuple, runtime_checkable
+
+import mlx.core as mx
+
+Mask = Any  # None | "causal" | mx.array (bool or additive), as in mx.fast.scaled_dot_product_attention
+QuantTriple = Tuple[mx.array, mx.array, mx.array]  # (packed uint32, scales, biases), mlx-lm's layout
+
+
+@runtime_checkable
+class KernelProvider(Protocol):
+    name: str  # "metal-custom" | "cuda-custom" | "cpu-native"
+
+    def quantized_matmul(
+        self, x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], *,
+        group_size: int, bits: int, mode: str = "affine",
+    ) -> Optional[mx.array]:
+        """Same meaning as ``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)``: x (..., K) times
+        the quantized (N, K) weight -> (..., N). Return None when this shape/dtype is not supported."""
+        ...
+
+    def sdpa(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Mask) -> Optional[mx.array]:
+        """Same meaning as ``mx.fast.scaled_dot_product_attention``: q (B, n_heads, L, D), k/v
+        (B, n_kv_heads, S, D), mask None | "causal" | array. Return None when not supported."""
+        ...
+
+
+class OptionalKernels(Protocol):
+    """Methods a provider may add; ``kernels.patch`` uses them only when present."""
+
+    def quantized_sdpa(
+        self, q: mx.array, k: QuantTriple, v: QuantTriple, *, scale: float, mask: Mask, group_size: int, bits: int,
+    ) -> Optional[mx.array]:
+        """Same meaning as mlx-lm's ``quantized_scaled_dot_product_attention``: q (B, n_heads, L, D); k/v are
+        ``QuantizedKVCache`` triples (B, n_kv_heads, S, D*bits/32) uint32 + (B, n_kv_heads, S, D/group) scales
+        and biases. Return None when not supported."""
+        ...
+
+    def swiglu(
+        self, x: mx.array, gate: QuantTriple, up: QuantTriple, *, group_size: int, bits: int,
+    ) -> Optional[mx.array]:
+        """``silu(x @ Wg.T) * (x @ Wu.T)`` with both weights quantized (N, K): x (..., K) -> (..., N).
+        Return None when not supported."""
+        ...
+
+
+def describe(provider: Optional[KernelProvider]) -> str:
+    """One word for logs and reports: the provider's name, or "builtin" when there is none."""
+    return provider.name if provider is not None else "builtin"

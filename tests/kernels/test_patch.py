@@ -1,0 +1,165 @@
+"""apply_kernels on a tiny random-weight mlx-lm llama: routing through a provider, fallback, restore, mode rules."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import cache as cache_lib
+from mlx_lm.models import llama
+
+from mlxinfer.errors import InvalidParameter, MlxinferError
+from mlxinfer.kernels import patch
+from mlxinfer.kernels.patch import KernelQuantizedLinear, apply_kernels
+
+
+def tiny_llama(seed: int = 0) -> nn.Module:
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+class CountingProvider:
+    """Returns the built-in answer shifted by a function of x, so a routed call changes the logits."""
+
+    name = "fake-custom"
+
+    def __init__(self):
+        self.calls = {"qmm": 0, "sdpa": 0, "swiglu": 0, "qsdpa": 0}
+
+    def quantized_matmul(self, x, w, scales, biases, *, group_size, bits, mode="affine"):
+        self.calls["qmm"] += 1
+        y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+        return y + 0.01 * mx.tanh(x.sum(axis=-1, keepdims=True))
+
+    def sdpa(self, q, k, v, *, scale, mask):
+        self.calls["sdpa"] += 1
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) * 1.5
+
+    def swiglu(self, x, gate, up, *, group_size, bits):
+        self.calls["swiglu"] += 1
+        g = mx.quantized_matmul(x, *gate, transpose=True, group_size=group_size, bits=bits)
+        u = mx.quantized_matmul(x, *up, transpose=True, group_size=group_size, bits=bits)
+        return nn.silu(g) * u * 2.0
+
+    def quantized_sdpa(self, q, k, v, *, scale, mask, group_size, bits):
+        self.calls["qsdpa"] += 1
+        return None
+
+
+class DecliningProvider:
+    name = "fake-declines"
+
+    def quantized_matmul(self, *a, **k):
+        return None
+
+    def sdpa(self, *a, **k):
+        return None
+
+    def swiglu(self, *a, **k):
+        return None
+
+
+@pytest.fixture
+def cpu_provider(monkeypatch):
+    """Install a fake ``mlxinfer.native`` whose provider the test chooses; restores mlx-lm afterwards."""
+    holder = {"provider": None}
+    fake = types.ModuleType("mlxinfer.native")
+    fake.provider = lambda: holder["provider"]
+    fake.status = lambda: "fake native: " + ("ready" if holder["provider"] else "not built")
+    monkeypatch.setitem(sys.modules, "mlxinfer.native", fake)
+    monkeypatch.delenv(patch.ENV_VAR, raising=False)
+    original = llama.scaled_dot_product_attention
+    yield holder
+    llama.scaled_dot_product_attention = original
+    patch._ORIGINAL_SDPA.clear()
+
+
+def logits(model, tokens, cache=None):
+    out = model(mx.array([tokens]), cache=cache)
+    mx.eval(out)
+    return out
+
+
+def test_patch_targets_exist_in_installed_mlx_lm():
+    # If mlx-lm renames these, the patch would silently do nothing: fail loudly instead.
+    from mlx_lm.models import base
+
+    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert patch._SWIGLU_CALL in __import__("inspect").getsource(llama.MLP.__call__)
+    assert hasattr(cache_lib.QuantizedKVCache(), "bits")
+
+
+def test_routes_through_provider_and_restores(cpu_provider):
+    model = tiny_llama()
+    tokens = [1, 5, 7, 9, 11]
+    before = logits(model, tokens)
+    fake = CountingProvider()
+    cpu_provider["provider"] = fake
+    report = apply_kernels(model, "auto")
+    assert report.name == "fake-custom" and "llama" in report.detail
+    assert isinstance(model.model.layers[0].self_attn.q_proj, KernelQuantizedLinear)
+    after = logits(model, tokens)
+    assert fake.calls["qmm"] > 0 and fake.calls["sdpa"] == 2 and fake.calls["swiglu"] == 2
+    assert not mx.allclose(before, after, atol=1e-3).item()
+
+    # "builtin" puts MLX back: same logits as before patching.
+    assert apply_kernels(model, "builtin").name == "builtin"
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
+    assert type(model.model.layers[0].mlp) is llama.MLP
+    assert mx.array_equal(logits(model, tokens), before).item()
+
+
+def test_declining_provider_gives_identical_output(cpu_provider):
+    model = tiny_llama(1)
+    tokens = [3, 1, 4, 1, 5, 9]
+    before = logits(model, tokens)
+    cpu_provider["provider"] = DecliningProvider()
+    assert apply_kernels(model, "custom").name == "fake-declines"
+    assert mx.array_equal(logits(model, tokens), before).item()
+    # Decode steps with a KV cache take the same fallback path.
+    c1, c2 = model.make_cache(), model.make_cache()
+    apply_kernels(model, "builtin")
+    ref = [logits(model, tokens, c1), logits(model, [2], c1)]
+    apply_kernels(model, "custom")
+    got = [logits(model, tokens, c2), logits(model, [2], c2)]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ref, got))
+
+
+def test_quantized_kv_cache_asks_quantized_sdpa(cpu_provider):
+    model = tiny_llama(2)
+    fake = CountingProvider()
+    cpu_provider["provider"] = fake
+    apply_kernels(model)
+    caches = [cache_lib.QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+    logits(model, [1, 2, 3], caches)
+    assert fake.calls["qsdpa"] == 2 and fake.calls["sdpa"] == 0  # declined -> mlx-lm's quantized path ran
+
+
+def test_no_provider_auto_is_builtin_and_custom_raises(cpu_provider):
+    model = tiny_llama()
+    report = apply_kernels(model, "auto")
+    assert report.name == "builtin" and "not built" in report.detail
+    with pytest.raises(MlxinferError, match="custom kernels are not available on the cpu backend"):
+        apply_kernels(model, "custom")
+
+
+def test_env_var_overrides_auto_only(cpu_provider, monkeypatch):
+    model = tiny_llama()
+    cpu_provider["provider"] = CountingProvider()
+    monkeypatch.setenv(patch.ENV_VAR, "builtin")
+    assert apply_kernels(model, "auto").name == "builtin"
+    assert apply_kernels(model, "custom").name == "fake-custom"
+    monkeypatch.setenv(patch.ENV_VAR, "fastest")
+    with pytest.raises(InvalidParameter, match="MLXINFER_KERNELS"):
+        apply_kernels(model, "auto")
