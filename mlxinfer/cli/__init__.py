@@ -1,0 +1,1 @@
+"""The Typer command-line shell over the mlxinfer API: parse, call, render."""

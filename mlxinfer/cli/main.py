@@ -1,0 +1,96 @@
+"""The ``mlxinfer`` entry point: one Typer app, one top-level error handler.
+
+Each command lives in its own module ``mlxinfer.cli.<name>`` exposing ``register(app)``; modules that are not
+present are skipped, so commands can be added without touching this file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import typer
+
+from .. import __version__
+
+COMMANDS = ("chat", "generate", "bench", "convert", "models")
+
+app = typer.Typer(
+    name="mlxinfer",
+    help="Local LLM chat, benchmark and conversion on MLX (Apple Silicon; CPU elsewhere).",
+    no_args_is_help=False,
+    invoke_without_command=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"mlxinfer {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+):
+    """With no command, start a chat with the default model."""
+    if ctx.invoked_subcommand is None:
+        chat = sys.modules.get("mlxinfer.cli.chat")
+        if chat is None:
+            typer.echo(ctx.get_help())
+            raise typer.Exit()
+        ctx.invoke(chat.chat)
+
+
+for _name in COMMANDS:
+    try:
+        _module = importlib.import_module(f"mlxinfer.cli.{_name}")
+    except ModuleNotFoundError as _e:
+        if _e.name != f"mlxinfer.cli.{_name}":
+            raise
+        continue
+    _module.register(app)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("MLXINFER_DEBUG", "") not in ("", "0", "false", "no")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the app; user errors print one line and exit 2, no traceback unless MLXINFER_DEBUG=1."""
+    from ..errors import MlxinferError
+
+    try:
+        app(args=argv, standalone_mode=False)
+        return 0
+    except MlxinferError as e:
+        if debug_enabled():
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except typer.Exit as e:
+        return e.exit_code
+    except (typer.Abort, EOFError):
+        return 1
+    except Exception as e:  # noqa: BLE001 - the one top-level handler
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            return e.exit_code
+        if debug_enabled():
+            raise
+        print(f"error: {type(e).__name__}: {e} (set MLXINFER_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+def entry() -> None:
+    sys.exit(main())

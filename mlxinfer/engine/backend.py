@@ -1,0 +1,49 @@
+"""Which MLX backend runs here, and the numeric policy that follows from it."""
+
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def backend() -> str:
+    """'metal', 'cuda' or 'cpu' — the device MLX computes on by default."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def activation_dtype(model_dtype):
+    """The dtype activations (and so scales/biases/norms) should have on this backend.
+
+    MLX's CPU quantized matmul is ~10x slower with float16 activations than with float32 (measured on this
+    class of machine), so on the CPU backend everything floating runs in float32. GPUs keep the model's dtype.
+    """
+    import mlx.core as mx
+
+    return mx.float32 if backend() == "cpu" else model_dtype
+
+
+def hardware_label() -> str:
+    """A short description of the machine, e.g. 'Apple M3 Max' or 'x86_64 Intel(R) Xeon(R) ...'."""
+    import mlx.core as mx
+
+    if backend() == "metal":
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        return str(info.get("device_name", "Apple GPU"))
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return cpu

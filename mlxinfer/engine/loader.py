@@ -1,0 +1,202 @@
+"""Load a model argument into a ready-to-run ``LoadedModel``.
+
+spec (registry) -> a local MLX directory (Hub download, GGUF import, or a path) -> mlx-lm builds the architecture ->
+backend dtype policy -> custom kernels patched in (``mlxinfer.kernels.patch``) -> tokenizer + chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import InvalidModel, MlxinferError
+from ..registry import ModelSpec, Registry
+from .backend import activation_dtype, backend
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total): stages "download", "import", "load"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate: mlx-lm module + tokenizer + what the UI and bench report about it."""
+
+    model: Any                     # mlx.nn.Module following mlx-lm's contract: model(tokens, cache=cache)
+    tokenizer: Any                 # mlx_lm.tokenizer_utils.TokenizerWrapper
+    config: dict
+    path: Path
+    spec: ModelSpec
+    backend: str                   # "metal" | "cuda" | "cpu"
+    dtype: str                     # activation dtype, e.g. "float32"
+    kernels: str = "builtin"       # which kernels run, e.g. "cpu-native", "metal-custom", "builtin"
+    kernels_detail: str = ""
+    chat_template: str | None = None
+    eos_token_ids: set[int] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return self.spec.alias or self.spec.name
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "?")
+
+    @property
+    def context_length(self) -> int:
+        for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+            if isinstance(self.config.get(key), int):
+                value = self.config[key]
+                break
+        else:
+            value = 4096
+        return min(value, self.spec.context) if self.spec.context else value
+
+    @property
+    def quantization(self) -> str:
+        q = self.config.get("quantization")
+        if not q:
+            return "none (" + self.config.get("torch_dtype", "float") + ")"
+        mode = q.get("mode", "affine")
+        label = f"{q.get('bits')}-bit {mode}, group {q.get('group_size')}"
+        overrides = sum(1 for v in q.values() if isinstance(v, dict))
+        return label + (f" (+{overrides} layers at other widths)" if overrides else "")
+
+    def num_parameters(self) -> int:
+        from mlx_lm.utils import get_total_parameters
+
+        return int(get_total_parameters(self.model))
+
+    def weight_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+
+def _local_dir(spec: ModelSpec, progress: Progress | None) -> Path:
+    """Materialise the spec as a local MLX model directory."""
+    if spec.kind == "hub":
+        from ..sources.hub import download_model
+
+        return download_model(spec.repo, spec.revision, progress=progress)
+    path = spec.path
+    if path is None or not path.exists():
+        raise InvalidModel(f"no such file or directory: {path}", hint="check the path")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            from ..sources.gguf_import import import_gguf
+
+            return import_gguf(path, progress=progress)
+        raise InvalidModel(f"{path} is not a model", hint="give a model directory or a .gguf file")
+    return path
+
+
+def check_model_dir(path: Path) -> None:
+    """Fail early, with one clear line, on directories mlx-lm could not load."""
+    if not (path / "config.json").is_file():
+        raise InvalidModel(f"{path} has no config.json", hint="give an MLX model directory, a .gguf file or a Hub repo")
+    if not list(path.glob("*.safetensors")):
+        if any(p.suffix in _PICKLE_SUFFIXES for p in path.iterdir()):
+            raise InvalidModel(
+                f"{path} has only pickle weights, which mlxinfer never loads",
+                hint="convert a safetensors source with 'mlxinfer convert'",
+            )
+        raise InvalidModel(f"{path} has no *.safetensors weights", hint="the download may be incomplete")
+    try:
+        json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise InvalidModel(f"{path}/config.json is not valid JSON ({e})") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _eos_ids(path: Path, config: dict) -> list[int]:
+    ids: list[int] = []
+    for source in (config, _read_json(path / "generation_config.json")):
+        value = source.get("eos_token_id")
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return ids
+
+
+def load_model_dir(path: Path, *, lazy: bool = False):
+    """mlx-lm builds the model from the directory; returns (model, config). Errors become one clear line."""
+    from mlx_lm.utils import load_model
+
+    check_model_dir(path)
+    try:
+        return load_model(path, lazy=lazy)
+    except MlxinferError:
+        raise
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "model type" in msg.lower() or "not supported" in msg.lower():
+            raise InvalidModel(f"{path}: unsupported architecture ({msg})", hint="upgrade mlx-lm") from None
+        raise InvalidModel(
+            f"cannot load weights from {path}: {msg}",
+            hint="the files may be truncated or corrupt; delete them and download or convert again",
+        ) from None
+
+
+def apply_dtype_policy(model) -> str:
+    """Cast floating parameters to the backend's activation dtype; returns its name."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    model_dtype = max(set(floats), key=floats.count) if floats else mx.float16
+    target = activation_dtype(model_dtype)
+    model.apply(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) and p.dtype != target else p)
+    return str(target).replace("mlx.core.", "")
+
+
+def load(
+    model: str | Path | ModelSpec | None = None,
+    *,
+    kernels: str = "auto",
+    progress: Progress | None = None,
+    registry: Registry | None = None,
+) -> LoadedModel:
+    """Load an alias, Hub repo id (``org/name[@rev]``), MLX directory or ``.gguf`` file (default: the bundled model)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_tokenizer
+
+    if isinstance(model, ModelSpec):
+        spec = model
+    else:
+        spec = (registry or Registry.load()).resolve(str(model) if model is not None else None)
+    path = _local_dir(spec, progress)
+    if progress:
+        progress("load", 0, 1)
+    net, config = load_model_dir(path, lazy=True)
+    dtype = apply_dtype_policy(net)
+    try:
+        mx.eval(net.parameters())
+    except (ValueError, RuntimeError) as e:
+        raise InvalidModel(f"cannot read weights from {path}: {e}", hint="the files may be truncated") from None
+
+    eos = _eos_ids(path, config)
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=eos or None)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for broken tokenizer files
+        raise InvalidModel(f"cannot load the tokenizer in {path}: {e}") from None
+
+    from ..kernels.patch import apply_kernels
+
+    report = apply_kernels(net, kernels)
+    loaded = LoadedModel(
+        model=net, tokenizer=tokenizer, config=config, path=path, spec=spec, backend=backend(), dtype=dtype,
+        kernels=report.name, kernels_detail=report.detail,
+        chat_template=spec.defaults.get("chat_template") or getattr(tokenizer, "chat_template", None),
+        eos_token_ids=set(tokenizer.eos_token_ids or []) | set(eos),
+    )
+    if progress:
+        progress("load", 1, 1)
+    return loaded

@@ -1,0 +1,1 @@
+"""Terminal UI: the only package that imports Rich and prompt-toolkit."""

@@ -1,0 +1,32 @@
+"""Small shared renderers: the stats line after a reply."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def stats_text(stats, context: tuple[int, int] | None = None) -> str:
+    """'42 tokens 31.2 tok/s · prompt 12 tokens 150.3 tok/s · TTFT 0.08 s · context 120/8192 · peak 210 MB'."""
+    parts = [
+        f"{stats.generation_tokens} tokens {stats.generation_tps:.1f} tok/s",
+        f"prompt {stats.prompt_tokens} tokens {stats.prompt_tps:.1f} tok/s",
+        f"TTFT {stats.ttft:.2f} s",
+    ]
+    if context:
+        parts.append(f"context {context[0]}/{context[1]}")
+    parts.append(f"peak {format_bytes(stats.peak_memory)}")
+    if stats.finish_reason and stats.finish_reason != "stop":
+        parts.append(stats.finish_reason)
+    return " · ".join(parts)
+
+
+def print_stats_line(console: Console, stats, context: tuple[int, int] | None = None) -> None:
+    console.print(stats_text(stats, context), style="dim", markup=False)

@@ -1,0 +1,56 @@
+"""Rich progress for the slow parts of loading: Hub download (bytes), GGUF import (tensors), weight load."""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn, DownloadColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn,
+)
+
+_LABELS = {"download": "Downloading", "import": "Importing GGUF", "write": "Writing MLX weights", "load": "Loading"}
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+
+
+@contextmanager
+def load_progress(console: Console | None = None, enabled: bool | None = None) -> Iterator:
+    """Yield a ``progress(stage, done, total)`` callback that drives a transient Rich progress display."""
+    console = console or stderr_console()
+    if enabled is None:
+        enabled = console.is_terminal
+    if not enabled:
+        yield None
+        return
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()]
+    with Progress(*columns, TextColumn("{task.fields[extra]}"), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(_LABELS.get(stage, stage), total=max(total, 1), extra="")
+            extra = ""
+            if stage == "download" and total > 1:
+                extra = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB"
+            bar.update(tasks[stage], completed=done, total=max(total, 1), extra=extra)
+
+        yield progress
+
+
+def load_model(model: str | None, *, kernels: str = "auto", registry=None, console: Console | None = None):
+    """Load a model with a progress display on the terminal (none when stderr is not one)."""
+    from ..engine.loader import load
+
+    with load_progress(console) as progress:
+        return load(model, kernels=kernels, progress=progress, registry=registry)
+
+
+def is_interactive() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
