@@ -10,9 +10,7 @@ from unittest import mock
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fakehub import FakeHub, build_tiny_llama  # noqa: E402
-
-TINY_REPO = "mlx-test/tiny-llama-4bit"
+from fakehub import TINY_REPO, FakeHub, build_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+TINY_REPO = "mlx-test/tiny-llama-4bit"  # the repo id the fake_hub fixture serves the tiny model under
 # The tokenizer files copied from the imported bundled model; the tiny model reuses SmolLM2's vocabulary.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -47,6 +49,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[tuple[str, str]] = []
+        self.connections: set = set()  # open client sockets, closed by stop() like a dying server would
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -96,11 +99,17 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
+        """Stop serving: later requests get 'connection refused', also on the client's keep-alive connections."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._thread.join(timeout=5)
             self._server = None
+        for conn in list(self.connections):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -109,6 +118,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:  # keep test output clean
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        self.fake.connections.add(self.connection)
+
+    def finish(self) -> None:
+        self.fake.connections.discard(self.connection)
+        super().finish()
 
     def do_HEAD(self) -> None:
         self._route(head=True)

@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from conftest import TINY_REPO
+from fakehub import TINY_REPO
 
 from mlxinfer.errors import DownloadError, InvalidModel, MlxinferError, ModelNotFound
 from mlxinfer.sources.hub import cached_path, download_model, hub_cache_dir
@@ -66,7 +66,9 @@ def test_second_run_offline_is_served_from_cache_without_requests(fake_hub, monk
 def test_server_stopped_falls_back_to_cache(fake_hub):
     first = download_model(TINY_REPO, "v1")
     fake_hub.stop()  # connection refused from now on
+    fake_hub.requests.clear()
     assert download_model(TINY_REPO, "v1") == first
+    assert fake_hub.requests == []
     assert cached_path(TINY_REPO, "v1") == first
     assert cached_path(TINY_REPO) is None  # main was never downloaded
 
