@@ -14,7 +14,7 @@ import importlib.util
 import os
 import re
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,10 @@ class Registry:
 
     def aliases(self) -> list[str]:
         return sorted(self._entries)
+
+    def entry(self, alias: str) -> dict:
+        """The merged raw entry for an alias (a copy)."""
+        return dict(self._entries[alias])
 
     def origin(self, alias: str) -> Path:
         return self._origins[alias]

