@@ -18,7 +18,8 @@ from ..errors import DownloadError, InvalidModel, MlxinferError, ModelNotFound
 Progress = Callable[[str, int, int], None]
 
 # What an MLX model directory needs; top-level files only (subfolders such as original/ hold other formats).
-ALLOW_PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+# Weights are model*.safetensors, the files mlx-lm loads: a top-level consolidated.safetensors is a duplicate.
+ALLOW_PATTERNS = ["model*.safetensors", "*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 IGNORE_PATTERNS = ["*/*"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -200,6 +201,10 @@ def _translate(err: BaseException, repo: str, revision: str | None) -> MlxinferE
 
 
 # -- repo contents ----------------------------------------------------------------------------------------
+def _is_weights(name: str) -> bool:
+    return fnmatch.fnmatch(name, "model*.safetensors")
+
+
 def _wanted(name: str) -> bool:
     return "/" not in name and any(fnmatch.fnmatch(name, p) for p in ALLOW_PATTERNS)
 
@@ -208,7 +213,7 @@ def _check_listing(repo: str, revision: str | None, names: list[str]) -> None:
     """Refuse repos we cannot load, before anything is downloaded."""
     label = _label(repo, revision)
     top = [n for n in names if "/" not in n]
-    if not any(n.endswith(".safetensors") for n in top):
+    if not any(_is_weights(n) for n in top):
         pickles = sorted(n for n in names if n.lower().endswith(PICKLE_SUFFIXES))
         if pickles:
             shown = ", ".join(pickles[:3]) + (", ..." if len(pickles) > 3 else "")
@@ -221,15 +226,17 @@ def _check_listing(repo: str, revision: str | None, names: list[str]) -> None:
                 f"{label} has GGUF files but no safetensors weights",
                 hint="download the .gguf file and pass its path, e.g. 'mlxinfer generate ./model.gguf'",
             )
-        raise InvalidModel(f"{label} has no *.safetensors weights", hint="it is not an MLX/Transformers model repo")
+        raise InvalidModel(
+            f"{label} has no model*.safetensors weights", hint="it is not an MLX/Transformers model repo"
+        )
     if "config.json" not in top:
         raise InvalidModel(f"{label} has no config.json", hint="it is not an MLX/Transformers model repo")
 
 
 def _check_dir(path: Path, label: str) -> Path:
-    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+    if not (path / "config.json").is_file() or not any(path.glob("model*.safetensors")):
         raise InvalidModel(
-            f"the downloaded copy of {label} has no config.json or no *.safetensors ({path})",
+            f"the downloaded copy of {label} has no config.json or no model*.safetensors ({path})",
             hint="it is not an MLX/Transformers model repo",
         )
     return path
@@ -262,7 +269,7 @@ def cached_path(repo: str, revision: str | None = None) -> Path | None:
         path = _snapshot(repo, revision, local_files_only=True)
     except (LocalEntryNotFoundError, HFValidationError, OSError):
         return None
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+    if (path / "config.json").is_file() and any(path.glob("model*.safetensors")):
         return path
     return None
 

@@ -6,7 +6,7 @@ It answers the requests huggingface_hub (>= 1.0) makes for ``model_info`` / ``sn
   GET  /api/models/{repo}/tree/{rev}[/{path}]   -> [{"type": "file", "path", "size", "oid"}]
   HEAD/GET /{repo}/resolve/{rev}/{file}         -> the bytes, with ETag / X-Repo-Commit headers
 and the Hub's error conventions (404 + ``X-Error-Code: RepoNotFound | RevisionNotFound | EntryNotFound``,
-403 + ``GatedRepo``). Every request is logged in ``FakeHub.requests`` so tests can assert "no network".
+401 + ``GatedRepo`` on a gated repo's files unless ``Authorization: Bearer <repo.token>``). Every request is logged in ``FakeHub.requests`` so tests can assert "no network".
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def _git_blob_sha1(data: bytes) -> str:
 class FakeRepo:
     files: dict[str, bytes]
     revisions: dict[str, str] = field(default_factory=dict)  # branch/tag -> commit sha
-    gated: bool = False
+    gated: bool = False                                        # files need the token below
+    token: str = "hf_fake_token"
     missing: set[str] = field(default_factory=set)            # listed by the API, 404 on download
 
     def commit_for(self, rev: str) -> str | None:
@@ -157,9 +158,6 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self.fake.repos.get(repo_id)
         if repo is None:
             self._error(404, "RepoNotFound", "Repository not found", head)
-        elif repo.gated:
-            self._error(403, "GatedRepo", "Access to model is restricted. You must have access to it.", head)
-            repo = None
         return repo_id, repo
 
     def _route(self, head: bool) -> None:
@@ -206,6 +204,9 @@ class _Handler(BaseHTTPRequestHandler):
         repo_id, repo = self._repo(parts, head)
         if repo is None:
             return
+        if repo.gated and self.headers.get("Authorization") != f"Bearer {repo.token}":
+            # Like the real Hub: a gated repo's metadata is public, its files need an accepted, logged-in user.
+            return self._error(401, "GatedRepo", "Access to model is restricted. You must be authenticated.", head)
         rev, filename = parts[3], "/".join(parts[4:])
         sha = repo.commit_for(rev)
         if sha is None:

@@ -44,6 +44,7 @@ def test_only_mlx_files_are_downloaded(fake_hub, tiny_model_dir):
         "pytorch_model.bin": b"pickle bytes",
         "modeling_custom.py": b"raise SystemExit('remote code must never run')",
         "original/consolidated.safetensors": b"not needed",
+        "consolidated.safetensors": b"a duplicate in another layout",
         "chat_template.jinja": b"{{ messages }}",
         "README.md": b"# card",
     })
@@ -51,7 +52,7 @@ def test_only_mlx_files_are_downloaded(fake_hub, tiny_model_dir):
     path = download_model("org/mixed")
     assert {p.name for p in path.iterdir()} == MODEL_FILES | {"chat_template.jinja"}
     fetched = _downloads(fake_hub)
-    assert not any(p.endswith((".bin", ".py", ".md")) or "/original/" in p for p in fetched)
+    assert not any(p.endswith((".bin", ".py", ".md", "consolidated.safetensors")) for p in fetched)
 
 
 def test_second_run_offline_is_served_from_cache_without_requests(fake_hub, monkeypatch):
@@ -104,6 +105,7 @@ def test_file_listed_but_missing(fake_hub, tiny_model_dir):
     fake_hub.add_model_dir("org/broken", tiny_model_dir, missing=("tokenizer.json",))
     with pytest.raises(DownloadError, match=r"org/broken: file 'tokenizer.json' is listed by the Hub but cannot be"):
         download_model("org/broken")
+    assert cached_path("org/broken") is None  # the partial snapshot never counts as on disk
 
 
 def test_pickle_only_repo_is_refused_before_download(fake_hub):
@@ -118,7 +120,8 @@ def test_pickle_only_repo_is_refused_before_download(fake_hub):
     "files, message",
     [
         ({"model.safetensors": b"x", "tokenizer.json": b"{}"}, r"org/bad has no config\.json"),
-        ({"config.json": b"{}", "README.md": b"hi"}, r"org/bad has no \*\.safetensors weights"),
+        ({"config.json": b"{}", "README.md": b"hi"}, r"org/bad has no model\*\.safetensors weights"),
+        ({"config.json": b"{}", "consolidated.safetensors": b"x"}, r"org/bad has no model\*\.safetensors weights"),
         ({"config.json": b"{}", "model-Q4_K_M.gguf": b"GGUF"}, r"org/bad has GGUF files but no safetensors"),
     ],
 )
@@ -129,10 +132,19 @@ def test_repo_without_config_or_weights_is_invalid(fake_hub, files, message):
     assert _downloads(fake_hub) == []
 
 
-def test_gated_repo_suggests_login(fake_hub, tiny_model_dir):
-    fake_hub.add_model_dir("org/gated", tiny_model_dir, gated=True)
+def test_gated_repo_suggests_login_and_accepts_hf_token(fake_hub, tiny_model_dir, monkeypatch):
+    repo = fake_hub.add_model_dir("org/gated", tiny_model_dir, gated=True)
     with pytest.raises(DownloadError, match=r"'org/gated' is gated.*hf auth login.*HF_TOKEN"):
         download_model("org/gated")
+    monkeypatch.setenv("HF_TOKEN", repo.token)
+    assert (download_model("org/gated") / "config.json").is_file()
+
+
+def test_token_saved_under_hf_home_is_used(fake_hub, tiny_model_dir, hf_env):
+    repo = fake_hub.add_model_dir("org/gated", tiny_model_dir, gated=True)
+    hf_env.mkdir(parents=True, exist_ok=True)
+    (hf_env / "token").write_text(repo.token + "\n")  # what 'hf auth login' writes
+    assert (download_model("org/gated") / "config.json").is_file()
 
 
 def test_refused_network_with_empty_cache(hf_env, monkeypatch):
