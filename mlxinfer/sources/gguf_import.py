@@ -2,8 +2,8 @@
 
 - Q4_0, Q4_1 and Q8_0 blocks map exactly onto MLX affine quantization with group size 32: the nibbles/bytes
   are repacked, ``scale = d`` and ``bias = m`` (Q4_1), ``-8·d`` (Q4_0) or ``-128·d`` (Q8_0, stored unsigned).
-- Every other tensor type (K-quants, IQ types, F16, BF16...) is dequantized by the ``gguf`` package and, for 2-D
-  weights, re-quantized with ``mx.quantize`` at the closest MLX bit width.
+- K-quants, IQ and other block types are dequantized by the ``gguf`` package and re-quantized with
+  ``mx.quantize`` (group size 32) at the closest MLX bit width; F32/F16/BF16 matrices are kept as they are.
 - llama.cpp permutes the rows of Q/K projections of llama-family models for its interleaved RoPE; we undo that
   so the result has the Hugging Face layout and runs with mlx-lm's default (non-traditional) RoPE.
 The result is written once per file content (sha256) under the cache directory, atomically.
@@ -16,52 +16,39 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import InvalidModel
+from .gguf_file import GgufTensor, read_gguf
 from .gguf_tokenizer import write_tokenizer
 
-IMPORT_VERSION = 1
+IMPORT_VERSION = 2
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
-# GGUF architecture -> (HF model_type, per-arch options)
+# GGUF architecture -> HF model_type / class, and whether llama.cpp permuted Q/K rows at conversion.
 _ARCHS = {
-    "llama": {"model_type": "llama", "permute_qk": True},
-    "mistral": {"model_type": "mistral", "permute_qk": True},
-    "qwen2": {"model_type": "qwen2", "permute_qk": False},
-    "qwen3": {"model_type": "qwen3", "permute_qk": False},
+    "llama": ("llama", "LlamaForCausalLM", True),
+    "mistral": ("mistral", "MistralForCausalLM", True),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
-
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
-# Tensor types that repack exactly; the value is MLX's bit width.
-_EXACT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-_FLOAT = {"F32", "F16", "BF16", "F64"}
-# Closest MLX bit width for types that must be re-quantized.
+_EXACT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # repacked bit for bit; value: MLX bits
+_FLOAT = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+# Types the gguf package dequantizes, with the MLX bit width we re-quantize them to (at least their bits/weight).
 _REQUANT_BITS = {
-    "Q2_K": 3, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5, "Q8_1": 8, "Q8_K": 8,
-    "IQ1_S": 2, "IQ1_M": 2, "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ3_XXS": 3, "IQ3_S": 3, "IQ4_NL": 4,
-    "IQ4_XS": 4, "TQ1_0": 2, "TQ2_0": 2,
+    "Q5_0": 5, "Q5_1": 5, "Q2_K": 3, "Q3_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ1_S": 2, "IQ1_M": 2,
+    "IQ2_XXS": 3, "IQ2_XS": 3, "IQ2_S": 3, "IQ3_XXS": 4, "IQ3_S": 4, "IQ4_NL": 4, "IQ4_XS": 4, "TQ1_0": 2,
+    "TQ2_0": 2, "MXFP4": 4, "NVFP4": 4,
 }
 GROUP = 32
 
@@ -73,24 +60,38 @@ def cache_root() -> Path:
     return Path(base) / "mlxinfer"
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of the file, memoised by (path, size, mtime) so a large GGUF is hashed once."""
+def _digest_memo() -> Path:
+    return cache_root() / "gguf" / "digests.json"
+
+
+def _memo_key(path: Path) -> str:
     st = path.stat()
-    memo_file = cache_root() / "gguf" / "digests.json"
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of the file; remembered by (path, size, mtime) once an import succeeded, so it is hashed once."""
     try:
-        memo = json.loads(memo_file.read_text())
+        memo = json.loads(_digest_memo().read_text())
     except (OSError, ValueError):
         memo = {}
-    if key in memo:
-        return memo[key]
+    if _memo_key(path) in memo:
+        return memo[_memo_key(path)]
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
+        for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
-    memo[key] = h.hexdigest()
-    _atomic_write_text(memo_file, json.dumps(memo))
-    return memo[key]
+    return h.hexdigest()
+
+
+def _remember_digest(path: Path, digest: str) -> None:
+    try:
+        memo = json.loads(_digest_memo().read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if memo.get(_memo_key(path)) != digest:
+        memo[_memo_key(path)] = digest
+        _atomic_write_text(_digest_memo(), json.dumps(memo))
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -103,36 +104,10 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def imported_dir(path: Path) -> Path:
     """Where the MLX directory for this GGUF file lives (whether or not it exists yet)."""
-    return cache_root() / "gguf" / f"{file_digest(path)[:24]}-v{IMPORT_VERSION}"
+    return cache_root() / "gguf" / f"{file_digest(Path(path))[:24]}-v{IMPORT_VERSION}"
 
 
-@dataclass
-class _Reader:
-    """The GGUF fields as plain Python values plus the tensor list."""
-
-    meta: dict
-    tensors: list
-
-
-def _open(path: Path) -> _Reader:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/IndexError/etc. on bad files
-        raise InvalidModel(
-            f"{path.name}: not a readable GGUF file ({type(e).__name__}: {e})",
-            hint="the file may be truncated or corrupt; download it again",
-        ) from None
-    meta = {}
-    for name, field in reader.fields.items():
-        try:
-            meta[name] = field.contents()
-        except Exception:  # noqa: BLE001 - a malformed optional field is skipped, the required ones are checked
-            continue
-    return _Reader(meta, reader.tensors)
-
-
+# ------------------------------------------------------------------------------------------- tensor mapping
 def _hf_name(gguf_name: str) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
@@ -143,22 +118,29 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"{mapped}.{suffix}" if mapped else None
 
 
+def _compact_nibbles(x: np.ndarray) -> np.ndarray:
+    """uint64 holding 8 bytes < 16 -> uint32 whose nibble i is byte i (MLX's 4-bit element order)."""
+    x = (x | (x >> np.uint64(4))) & np.uint64(0x00FF00FF00FF00FF)
+    x = (x | (x >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+    return ((x | (x >> np.uint64(16))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
 def _repack_exact(kind: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF blocks (rows, n_blocks * block_bytes) -> MLX (packed uint32, scales f16, biases f16)."""
     block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    blocks = raw.reshape(rows, -1, block_bytes)  # (rows, n_blocks, block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # (rows, n_blocks)
+    blocks = raw.reshape(-1, block_bytes)  # (rows * n_blocks, block_bytes)
+    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).reshape(rows, -1)  # (rows, n_blocks)
     if kind == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128  # (rows, n_blocks, 32) in [0, 255]
-        packed = q.astype(np.uint8).reshape(rows, -1).view(np.uint32)
+        # int8 -> uint8 by flipping the sign bit (q + 128); 4 bytes per uint32, element 0 lowest
+        packed = (np.ascontiguousarray(blocks[:, 2:]) ^ np.uint8(0x80)).view(np.uint32).reshape(rows, -1)
         return packed, d, (d.astype(np.float32) * -128).astype(np.float16)
-    qs = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]  # (rows, n_blocks, 16)
-    # GGUF: byte j holds element j (low nibble) and j+16 (high); MLX: byte b holds elements 2b and 2b+1.
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (rows, n_blocks, 32) in element order
-    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8).reshape(rows, -1).view(np.uint32)
+    # GGUF: qs byte j holds element j (low nibble) and j+16 (high nibble); MLX: uint32 k holds 8k..8k+7.
+    qs = np.ascontiguousarray(blocks[:, block_bytes - 16:]).view(np.uint64)  # (rows * n_blocks, 2)
+    lo = qs & np.uint64(0x0F0F0F0F0F0F0F0F)
+    hi = (qs >> np.uint64(4)) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    packed = np.concatenate([_compact_nibbles(lo), _compact_nibbles(hi)], axis=1).reshape(rows, -1)
     if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-        return packed, d, m
+        return packed, d, np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).reshape(rows, -1)
     return packed, d, (d.astype(np.float32) * -8).astype(np.float16)
 
 
@@ -172,12 +154,11 @@ def _llm_config(meta: dict, arch: str, has_output: bool) -> dict:
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
 
+    model_type, cls, _ = _ARCHS[arch]
     try:
-        hidden = int(get("embedding_length"))
-        heads = int(get("attention.head_count"))
+        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
         config = {
-            "model_type": _ARCHS[arch]["model_type"],
-            "architectures": [],
+            "model_type": model_type, "architectures": [cls],
             "hidden_size": hidden,
             "num_hidden_layers": int(get("block_count")),
             "intermediate_size": int(get("feed_forward_length")),
@@ -190,9 +171,9 @@ def _llm_config(meta: dict, arch: str, has_output: bool) -> dict:
             "tie_word_embeddings": not has_output,
             "head_dim": int(get("attention.key_length", hidden // heads)),
         }
-    except (TypeError, KeyError) as e:
+    except (TypeError, KeyError, ValueError) as e:
         raise InvalidModel(f"GGUF metadata lacks {e}", hint="the file is incomplete or not an LLM") from None
-    if arch in ("qwen2",):
+    if arch == "qwen2":
         config["attention_bias"] = True
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
@@ -200,132 +181,172 @@ def _llm_config(meta: dict, arch: str, has_output: bool) -> dict:
             "type": scaling, "rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0)),
             "original_max_position_embeddings": int(get("rope.scaling.original_context_length", 0)) or None,
         }
-    config["architectures"] = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
     return config
+
+
+def _generation_config(meta: dict) -> dict:
+    """BOS and the end-of-generation ids: EOS plus EOT/EOM when the GGUF names them (e.g. <|eot_id|>)."""
+    gen: dict[str, Any] = {}
+    if meta.get("tokenizer.ggml.bos_token_id") is not None:
+        gen["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    eos = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
+           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
+    eos = list(dict.fromkeys(eos))
+    if eos:
+        gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return gen
+
+
+def _file_type_name(value) -> str | None:
+    if value is None:
+        return None
+    try:
+        import gguf
+
+        return gguf.LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
+    except (ImportError, ValueError):
+        return str(value)
+
+
+def _header_info(meta: dict, path: Path) -> dict:
+    """What the chat header and `models` show: name, size label, file type; from ``general.*``."""
+    info = {"source": "gguf", "file": path.name, "import_version": IMPORT_VERSION}
+    for key in ("name", "basename", "finetune", "size_label", "organization", "license", "quantization_version"):
+        if meta.get(f"general.{key}") is not None:
+            info[key] = meta[f"general.{key}"]
+    if meta.get("general.file_type") is not None:
+        info["file_type"] = int(meta["general.file_type"])
+        info["file_type_name"] = _file_type_name(meta["general.file_type"])
+    return info
+
+
+# -------------------------------------------------------------------------------------------- conversion
+def _convert_tensor(t: GgufTensor, perm: np.ndarray | None, path: Path):
+    """-> (arrays by suffix, bits or None). ``perm`` reorders rows (Q/K un-permutation)."""
+    import mlx.core as mx
+
+    rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+    if t.kind in _EXACT:
+        w, s, b = _repack_exact(t.kind, t.data, rows)
+        if perm is not None:
+            w, s, b = w[perm], s[perm], b[perm]
+        return {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}, _EXACT[t.kind]
+    if t.kind in _FLOAT:
+        arr = t.data.view(_FLOAT[t.kind]).reshape(t.shape)
+        if perm is not None:
+            arr = arr[perm]
+        out = mx.array(arr).view(mx.bfloat16) if t.kind == "BF16" else mx.array(arr)
+        if t.kind == "F64" or len(t.shape) == 1:
+            out = out.astype(mx.float32)  # norms stay float32 (tiny); F64 has no MLX matmul
+        return {"weight": out}, None
+    import gguf
+
+    try:
+        arr = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type_id)).reshape(t.shape)
+    except (NotImplementedError, ValueError) as e:
+        raise InvalidModel(f"{path.name}: cannot dequantize {t.kind} tensor '{t.name}' ({e})") from None
+    if perm is not None:
+        arr = arr[perm]
+    if arr.ndim == 1 or arr.shape[-1] % GROUP:
+        return {"weight": mx.array(arr.astype(np.float32))}, None
+    bits = _REQUANT_BITS[t.kind]
+    w, s, b = mx.quantize(mx.array(arr.astype(np.float32)), group_size=GROUP, bits=bits)
+    return {"weight": w, "scales": s.astype(mx.float16), "biases": b.astype(mx.float16)}, bits
 
 
 def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) -> Path:
     """Convert ``path`` into an MLX model directory at ``out_dir`` (written atomically)."""
     import mlx.core as mx
 
-    r = _open(path)
-    arch = r.meta.get("general.architecture")
+    path, out_dir = Path(path), Path(out_dir)
+    g = read_gguf(path)
+    arch = g.meta.get("general.architecture")
     if arch not in _ARCHS:
         raise InvalidModel(
-            f"{path.name}: unsupported GGUF architecture '{arch}'", hint=f"supported: {', '.join(sorted(_ARCHS))}"
-        )
-    names = {t.name for t in r.tensors}
-    config = _llm_config(r.meta, arch, has_output="output.weight" in names)
+            f"{path.name}: unsupported GGUF architecture '{arch}'", hint=f"supported: {', '.join(sorted(_ARCHS))}")
+    for t in g.tensors:  # fail before any work
+        if t.kind not in _EXACT and t.kind not in _FLOAT and t.kind not in _REQUANT_BITS:
+            raise InvalidModel(f"{path.name}: unsupported GGUF tensor type {t.kind} in '{t.name}'",
+                               hint="re-export the model as Q8_0, Q4_0, Q4_K or F16")
+    names = {t.name for t in g.tensors}
+    config = _llm_config(g.meta, arch, has_output="output.weight" in names)
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    permute = _ARCHS[arch]["permute_qk"]
 
     weights: dict[str, mx.array] = {}
-    layer_quant: dict[str, dict] = {}
-    bit_counts: dict[int, int] = {}
-    for i, t in enumerate(r.tensors):
+    bits_of: dict[str, int] = {}
+    for i, t in enumerate(g.tensors):
         if progress:
-            progress("import", i, len(r.tensors))
+            progress("import", i, len(g.tensors))
         hf = _hf_name(t.name)
         if hf is None:
             if t.name.startswith("rope_freqs"):
                 continue  # recomputed by mlx-lm from the config
             raise InvalidModel(f"{path.name}: unknown tensor '{t.name}' for architecture '{arch}'")
-        kind = t.tensor_type.name
-        prefix = hf.rsplit(".", 1)[0]
-        shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        prefix, suffix = hf.rsplit(".", 1)
         perm = None
-        if permute and prefix.endswith(("q_proj", "k_proj")):
+        if _ARCHS[arch][2] and prefix.endswith(("q_proj", "k_proj")):
+            rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
             perm = _unpermute_rows(rows, n_heads if prefix.endswith("q_proj") else n_kv)
-        try:
-            if kind in _EXACT:
-                w, s, b = _repack_exact(kind, np.asarray(t.data), rows)
-                if perm is not None:
-                    w, s, b = w[perm], s[perm], b[perm]
-                weights[f"{prefix}.weight"] = mx.array(w)
-                weights[f"{prefix}.scales"] = mx.array(s)
-                weights[f"{prefix}.biases"] = mx.array(b)
-                bits = _EXACT[kind]
-            else:
-                if kind in _FLOAT:
-                    arr = np.asarray(t.data)
-                    if kind == "BF16":
-                        arr = (arr.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-                    arr = arr.astype(np.float32).reshape(shape)
-                elif kind in _REQUANT_BITS:
-                    import gguf
-
-                    arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
-                else:
-                    raise InvalidModel(
-                        f"{path.name}: unsupported GGUF tensor type {kind} in '{t.name}'",
-                        hint="re-export the model as Q8_0, Q4_K or F16",
-                    )
-                if perm is not None:
-                    arr = arr[perm]
-                if kind in _FLOAT or arr.ndim == 1:
-                    weights[hf] = mx.array(arr).astype(mx.float16 if arr.ndim > 1 else mx.float32)
-                    bits = None
-                else:
-                    bits = _REQUANT_BITS[kind]
-                    w, s, b = mx.quantize(mx.array(arr), group_size=GROUP, bits=bits)
-                    weights[f"{prefix}.weight"] = w
-                    weights[f"{prefix}.scales"] = s.astype(mx.float16)
-                    weights[f"{prefix}.biases"] = b.astype(mx.float16)
-        except (ValueError, IndexError) as e:
-            raise InvalidModel(
-                f"{path.name}: tensor '{t.name}' is damaged ({e})", hint="the file may be truncated; download it again"
-            ) from None
+        arrays, bits = _convert_tensor(t, perm, path)
+        if suffix != "weight":  # e.g. attention biases: never quantized
+            arrays = {suffix: arrays["weight"]}
+        weights.update({f"{prefix}.{k}": v for k, v in arrays.items()})
         if bits is not None:
-            layer_quant[prefix] = {"group_size": GROUP, "bits": bits}
-            bit_counts[bits] = bit_counts.get(bits, 0) + 1
+            bits_of[prefix] = bits
 
-    if bit_counts:
-        main_bits = max(bit_counts, key=bit_counts.get)
-        quant = {"group_size": GROUP, "bits": main_bits, "mode": "affine"}
-        for prefix, q in layer_quant.items():
-            if q["bits"] != main_bits:
-                quant[prefix] = q
-        config["quantization"] = quant
-        config["quantization_config"] = quant
-    config["mlxinfer"] = {
-        "source": "gguf", "file": path.name, "file_type": r.meta.get("general.file_type"),
-        "name": r.meta.get("general.name"), "import_version": IMPORT_VERSION,
-    }
+    if bits_of:
+        main_bits = max(set(bits_of.values()), key=list(bits_of.values()).count)
+        quant: dict[str, Any] = {"group_size": GROUP, "bits": main_bits, "mode": "affine"}
+        quant.update({p: {"group_size": GROUP, "bits": b} for p, b in bits_of.items() if b != main_bits})
+        config["quantization"] = config["quantization_config"] = quant
+    config["mlxinfer"] = _header_info(g.meta, path)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
-        tok_meta = {k: v for k, v in r.meta.items() if k.startswith("tokenizer.")}
-        tok_config = write_tokenizer(tok_meta, tmp, context_length=config["max_position_embeddings"])
-        gen = {}
-        for key in ("bos", "eos"):
-            idx = r.meta.get(f"tokenizer.ggml.{key}_token_id")
-            if idx is not None:
-                gen[f"{key}_token_id"] = int(idx)
+        tok_meta = {k: v for k, v in g.meta.items() if k.startswith("tokenizer.")}
+        write_tokenizer(tok_meta, tmp, context_length=config["max_position_embeddings"])
+        gen = _generation_config(g.meta)
         config.update(gen)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if progress:
             progress("write", 0, 1)
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        del tok_config
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        _publish(tmp, out_dir)
         if progress:
             progress("write", 1, 1)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            out_dir.parent.rmdir()  # only if empty: a failed first import leaves no trace
+        except OSError:
+            pass
         raise
     return out_dir
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Move the finished ``tmp`` into place; an existing ``out_dir`` is replaced, never left half-written."""
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
 
 
 def import_gguf(path: Path, progress: Progress | None = None) -> Path:
     """The cached MLX directory for a GGUF file, converting it on first use."""
     path = Path(path)
-    target = imported_dir(path)
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
-    return convert_gguf(path, target, progress)
+    if not path.is_file():
+        raise InvalidModel(f"{path}: no such GGUF file", hint="check the path")
+    if progress:
+        progress("hash", 0, 1)
+    digest = file_digest(path)
+    target = cache_root() / "gguf" / f"{digest[:24]}-v{IMPORT_VERSION}"
+    if not ((target / "config.json").exists() and (target / "model.safetensors").exists()):
+        convert_gguf(path, target, progress)
+    _remember_digest(path, digest)  # only now: a failed import leaves nothing in the cache
+    return target

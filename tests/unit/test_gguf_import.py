@@ -1,0 +1,290 @@
+"""GGUF import on tiny synthetic files written here with ``gguf.GGUFWriter`` (a 2-layer llama, KBs each).
+
+- Q4_0 / Q4_1 / Q8_0 repack bit-exactly: MLX's dequantization of our tensors equals ``gguf.quants.dequantize``.
+- F16 is kept as F16 (exact); Q4_K is dequantized and re-quantized to MLX 4-bit within one quantization step.
+- Q/K rows written with llama.cpp's permutation are un-permuted: the imported model gives the logits of the
+  original Hugging Face-layout model.
+- Bad files raise ``InvalidModel`` and leave nothing in the cache; a second import is a cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from mlxinfer.errors import InvalidModel
+from mlxinfer.sources import gguf_import
+from mlxinfer.sources.gguf_import import import_gguf
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 2, 4, 2, 16, 256
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (byte-level BPE vocabularies start with these 256 tokens)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
+    tokens = SPECIALS + _byte_chars() + ["Ġt", "he", "Ġthe", "in", "Ġa"]
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return tokens, types, merges
+
+
+VOCAB = len(tiny_vocab()[0])
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to q_proj/k_proj rows (interleaved RoPE order)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights of a tiny llama in Hugging Face layout (out_features, in_features)."""
+    rng = np.random.default_rng(seed)
+    w = {"model.embed_tokens.weight": rng.normal(0, 0.5, (VOCAB, HIDDEN)), "model.norm.weight": 1 + rng.normal(0, .1, HIDDEN),
+         "lm_head.weight": rng.normal(0, 0.1, (VOCAB, HIDDEN))}
+    shapes = {"self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
+              "mlp.gate_proj": (FFN, HIDDEN), "mlp.up_proj": (FFN, HIDDEN), "mlp.down_proj": (HIDDEN, FFN)}
+    for i in range(LAYERS):
+        for name, shape in shapes.items():
+            w[f"model.layers.{i}.{name}.weight"] = rng.normal(0, 0.1, shape)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w[f"model.layers.{i}.{norm}.weight"] = 1 + rng.normal(0, 0.1, HIDDEN)
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def gguf_name(hf: str) -> str:
+    base = hf.removesuffix(".weight")
+    if base.startswith("model.layers."):
+        _, _, layer, part = base.split(".", 3)
+        return f"blk.{layer}.{_TO_GGUF[part]}.weight"
+    return {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[base] + ".weight"
+
+
+def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype=QT.F32, *, arch: str = "llama",
+               types: dict[str, object] | None = None, permute: bool = True) -> Path:
+    """A llama GGUF like llama.cpp writes it: Q/K permuted, 2-D weights in ``qtype``, norms F32."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("Tiny Test Llama")
+    w.add_size_label("1M")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_block_count(LAYERS)
+    w.add_context_length(128)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    tokens, toktypes, merges = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(toktypes)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for hf, arr in weights.items():
+        if permute and ".q_proj." in hf:
+            arr = llama_permute(arr, HEADS)
+        elif permute and ".k_proj." in hf:
+            arr = llama_permute(arr, KV_HEADS)
+        t = (types or {}).get(hf, qtype if arr.ndim == 2 else QT.F32)
+        if isinstance(t, np.ndarray):  # raw bytes given by the test
+            w.add_tensor(gguf_name(hf), t, raw_dtype=QT.Q4_K)
+        elif t in (QT.F32, QT.F16):
+            w.add_tensor(gguf_name(hf), arr.astype(np.float32 if t == QT.F32 else np.float16))
+        elif t == QT.I32:
+            w.add_tensor(gguf_name(hf), arr.astype(np.int32))
+        else:
+            w.add_tensor(gguf_name(hf), gguf.quants.quantize(arr, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("MLXINFER_CACHE", str(root))
+    return root
+
+
+def load_weights(model_dir: Path) -> dict[str, mx.array]:
+    return mx.load(str(model_dir / "model.safetensors"))
+
+
+def mlx_dequant(w: dict, prefix: str, bits: int) -> np.ndarray:
+    # float32 scales (as the CPU loader uses them): then d*q + m is exact in float32, like gguf's own arithmetic
+    out = mx.dequantize(w[f"{prefix}.weight"], w[f"{prefix}.scales"].astype(mx.float32),
+                        w[f"{prefix}.biases"].astype(mx.float32), group_size=32, bits=bits)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("qtype,bits", [(QT.Q4_0, 4), (QT.Q4_1, 4), (QT.Q8_0, 8)])
+def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits):
+    weights = hf_weights()
+    model_dir = import_gguf(write_gguf(tmp_path / "m.gguf", weights, qtype))
+    w = load_weights(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": bits, "mode": "affine"}
+    for hf, arr in weights.items():
+        if arr.ndim != 2:
+            continue
+        prefix = hf.removesuffix(".weight")
+        # Q/K were quantized after llama.cpp's row permutation; blocks lie within rows, so un-permuting our
+        # rows must give exactly the blocks of the unpermuted matrix
+        expected = gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype)
+        got = mlx_dequant(w, prefix, bits)
+        assert got.dtype == np.float32 and np.array_equal(got, expected), hf
+
+
+def test_f16_kept_exact_and_q4k_requantized_within_one_step(tmp_path):
+    weights = hf_weights()
+    rng = np.random.default_rng(1)
+    down = "model.layers.0.mlp.down_proj.weight"  # in_features = 256: one Q4_K super-block per row
+    n_blocks = weights[down].shape[0]
+    raw = rng.integers(0, 256, (n_blocks, 144), dtype=np.uint8)
+    raw[:, 0:2] = np.full(n_blocks, 0.002, np.float16).view(np.uint8).reshape(-1, 2)  # d
+    raw[:, 2:4] = np.full(n_blocks, 0.001, np.float16).view(np.uint8).reshape(-1, 2)  # dmin
+    model_dir = import_gguf(write_gguf(tmp_path / "m.gguf", weights, QT.F16, types={down: raw}))
+    w = load_weights(model_dir)
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    assert w[q_proj].dtype == mx.float16
+    assert np.array_equal(np.array(w[q_proj]), weights[q_proj].astype(np.float16))
+    assert np.array_equal(np.array(w["model.norm.weight"]), weights["model.norm.weight"])
+
+    source = gguf.quants.dequantize(raw, QT.Q4_K).reshape(weights[down].shape)
+    got = mlx_dequant(w, down.removesuffix(".weight"), 4)
+    groups = source.reshape(-1, 32)
+    err = np.abs(got.reshape(-1, 32) - groups).max(axis=1)
+    # MLX 4-bit affine over each group of 32 with step s = (max - min) / 15: mx.quantize snaps the step so the
+    # larger-magnitude end is exact, changing it by at most s / 16 (edge >= 7.5 s is rounded to >= 8 steps), so
+    # the far end moves by < 15 s / 16 and interior values stay within half a step: error < s. Plus the float16
+    # rounding of the stored scale (relative 2^-11, times up to 15 steps) and bias (relative 2^-11).
+    step = (groups.max(axis=1) - groups.min(axis=1)) / 15
+    bound = step + 15 * step * 2**-11 + np.abs(groups).max(axis=1) * 2**-11 + 1e-7
+    assert (err <= bound).all(), float((err / bound).max())
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+
+
+def _logits(model, tokens: list[int]) -> np.ndarray:
+    return np.array(model(mx.array([tokens]))[0].astype(mx.float32))
+
+
+def test_qk_unpermutation_gives_the_original_logits(tmp_path, monkeypatch):
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm import load
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=HIDDEN, num_hidden_layers=LAYERS, intermediate_size=FFN,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5, vocab_size=VOCAB,
+        rope_theta=10000.0, head_dim=HEAD_DIM, tie_word_embeddings=False, max_position_embeddings=128)
+    original = llama.Model(args)
+    weights = hf_weights(seed=3)
+    original.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
+    assert {k for k, _ in tree_flatten(original.parameters())} == set(weights)
+
+    model_dir = import_gguf(write_gguf(tmp_path / "m.gguf", weights, QT.F32))
+    imported, _ = load(str(model_dir))
+    tokens = [5, 17, 200, 3, 99, 42, 7, 250]
+    expected = _logits(original, tokens)
+    np.testing.assert_allclose(_logits(imported, tokens), expected, rtol=1e-4, atol=1e-4)
+
+    # the same file imported without un-permuting gives other logits: the check above can fail
+    monkeypatch.setitem(gguf_import._ARCHS, "llama", ("llama", "LlamaForCausalLM", False))
+    monkeypatch.setattr(gguf_import, "IMPORT_VERSION", 999)
+    wrong, _ = load(str(import_gguf(tmp_path / "m.gguf")))
+    assert np.abs(_logits(wrong, tokens) - expected).max() > 1e-2
+
+
+def test_config_metadata_tokenizer_and_mlx_lm_load(tmp_path):
+    from mlx_lm import load
+
+    model_dir = import_gguf(write_gguf(tmp_path / "m.gguf", hf_weights(), QT.Q8_0))
+    config = json.loads((model_dir / "config.json").read_text())
+    info = config["mlxinfer"]
+    assert (info["name"], info["size_label"], info["file_type_name"]) == ("Tiny Test Llama", "1M", "Q8_0")
+    assert config["eos_token_id"] == 2 and config["num_key_value_heads"] == KV_HEADS
+    model, tokenizer = load(str(model_dir))
+    ids = tokenizer.encode(" the in<|im_end|>", add_special_tokens=False)
+    tokens = tiny_vocab()[0]
+    assert ids == [tokens.index("Ġthe"), tokens.index("Ġ"), tokens.index("in"), 2]
+    assert tokenizer.eos_token_id == 2
+
+
+def test_reimport_is_a_cache_hit(tmp_path, monkeypatch, cache):
+    path = write_gguf(tmp_path / "m.gguf", hf_weights(), QT.Q4_0)
+    first = import_gguf(path)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+
+    def boom(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_import, "convert_gguf", boom)
+    assert import_gguf(path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in (cache / "gguf").iterdir() if p.is_dir()] == [first.name]
+
+
+def _cache_files(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if p.is_file()] if cache.exists() else []
+
+
+@pytest.mark.parametrize("cut", ["header", "data"])
+def test_truncated_gguf_is_rejected_and_leaves_nothing(tmp_path, cache, cut):
+    path = write_gguf(tmp_path / "m.gguf", hf_weights(), QT.Q8_0)
+    data = path.read_bytes()
+    path.write_bytes(data[:200] if cut == "header" else data[: len(data) - 1000])
+    with pytest.raises(InvalidModel, match="truncated"):
+        import_gguf(path)
+    assert _cache_files(cache) == []
+
+
+def test_unsupported_architecture(tmp_path, cache):
+    path = write_gguf(tmp_path / "m.gguf", hf_weights(), QT.Q8_0, arch="gemma2")
+    with pytest.raises(InvalidModel, match="unsupported GGUF architecture 'gemma2'"):
+        import_gguf(path)
+    assert _cache_files(cache) == []
+
+
+def test_unsupported_tensor_type(tmp_path, cache):
+    weights = hf_weights()
+    path = write_gguf(tmp_path / "m.gguf", weights, QT.Q8_0, types={"model.layers.1.mlp.up_proj.weight": QT.I32})
+    with pytest.raises(InvalidModel, match=r"unsupported GGUF tensor type I32 in 'blk\.1\.ffn_up\.weight'"):
+        import_gguf(path)
+    assert _cache_files(cache) == []
+
+
+def test_not_a_gguf_file(tmp_path, cache):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"PK\x03\x04 definitely a zip file" * 10)
+    with pytest.raises(InvalidModel, match="not a readable GGUF file"):
+        import_gguf(path)
+    assert _cache_files(cache) == []
