@@ -314,6 +314,7 @@ def download_model(repo: str, revision: str | None = None, *, progress: Progress
     )
     from huggingface_hub.utils import validate_repo_id
 
+    revision = revision or None
     try:
         validate_repo_id(repo)
     except HFValidationError as e:

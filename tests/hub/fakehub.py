@@ -51,6 +51,7 @@ class FakeHub:
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[tuple[str, str]] = []
         self.connections: set = set()  # open client sockets, closed by stop() like a dying server would
+        self.status: int | None = None  # set e.g. 503 to answer every request with that error (Hub outage)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -165,6 +166,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.fake.requests.append((self.command, unquote(path)))
         # Split before unquoting: a quoted revision such as refs%2Fpr%2F1 stays one segment.
         parts = [unquote(p) for p in path.split("/") if p]
+        if self.fake.status is not None:
+            return self._error(self.fake.status, None, "Service Unavailable", head)
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             self._api(parts[2:], head)
         elif len(parts) >= 5 and parts[2] == "resolve":

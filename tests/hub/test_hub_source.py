@@ -74,6 +74,14 @@ def test_server_stopped_falls_back_to_cache(fake_hub):
     assert cached_path(TINY_REPO) is None  # main was never downloaded
 
 
+def test_hub_outage_uses_cache_or_says_it_cannot_reach_the_hub(fake_hub):
+    first = download_model(TINY_REPO)
+    fake_hub.status = 503
+    assert download_model(TINY_REPO) == first
+    with pytest.raises(DownloadError, match=r"org/other is not in the local cache .*answered HTTP 503"):
+        download_model("org/other")
+
+
 def test_revisions_are_separate_snapshots(fake_hub):
     main = download_model(TINY_REPO)
     v1 = download_model(TINY_REPO, "v1")
