@@ -88,11 +88,20 @@ def _mlxinfer(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
+def _models_row(alias: str) -> dict:
+    r = _mlxinfer("models", "--json")
+    assert r.returncode == 0, r.stderr
+    return next(row for row in json.loads(r.stdout) if row["alias"] == alias)
+
+
 def test_cli_generate_from_fake_hub_then_offline(fake_hub, tiny_alias, monkeypatch):
+    assert _models_row(tiny_alias)["on_disk"] is False
     r = _mlxinfer("generate", tiny_alias, "-p", "hi", "--max-tokens", "5")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
-    assert cached_path(TINY_REPO) is not None
+    row = _models_row(tiny_alias)
+    assert row["on_disk"] is True and row["location"] == str(cached_path(TINY_REPO))
+    assert row["disk_bytes"] > 1_000_000
 
     fake_hub.stop()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
