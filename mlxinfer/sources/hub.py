@@ -50,10 +50,10 @@ def hub_endpoint() -> str:
 
 
 def _token() -> str | None:
-    """HF_TOKEN, else the token saved by ``hf auth login`` under the current HF_HOME, else huggingface_hub's own."""
+    """HF_TOKEN, else the token saved by ``hf auth login`` (HF_TOKEN_PATH or HF_HOME/token), else the library's."""
     if os.environ.get("HF_TOKEN"):
-        return os.environ["HF_TOKEN"]
-    saved = hf_home() / "token"
+        return os.environ["HF_TOKEN"].strip()
+    saved = Path(os.environ.get("HF_TOKEN_PATH") or hf_home() / "token").expanduser()
     try:
         return saved.read_text().strip() or None
     except OSError:
