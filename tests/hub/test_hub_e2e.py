@@ -66,9 +66,14 @@ def test_alias_download_load_generate_then_offline(fake_hub, tiny_alias, monkeyp
     assert mlxinfer.load(f"{TINY_REPO}", kernels="builtin").path == loaded.path
 
 
-def test_load_repo_id_with_revision(fake_hub):
-    loaded = mlxinfer.load(f"{TINY_REPO}@v1", kernels="builtin")
-    assert loaded.path.name == fake_hub.repos[TINY_REPO].revisions["v1"]
+def test_load_repo_id_with_revision_and_alias_with_revision(fake_hub, tmp_path, monkeypatch):
+    v1 = fake_hub.repos[TINY_REPO].revisions["v1"]
+    assert mlxinfer.load(f"{TINY_REPO}@v1", kernels="builtin").path.name == v1
+    toml = tmp_path / "models.toml"
+    toml.write_text(f'[models.tiny-v1]\nhub = "{TINY_REPO}"\nrevision = "{v1}"\n')
+    monkeypatch.setenv("MLXINFER_MODELS", str(toml))
+    fake_hub.stop()  # the pinned commit is served from the cache with the server gone
+    assert mlxinfer.load("tiny-v1", kernels="builtin").path.name == v1
 
 
 def test_load_errors_are_mlxinfer_errors(fake_hub, tmp_path, monkeypatch):
