@@ -102,6 +102,7 @@ def test_repo_not_found(fake_hub):
     with pytest.raises(ModelNotFound, match=r"Hub repo 'org/nope' not found at http://127\.0\.0\.1") as e:
         download_model("org/nope")
     assert "hf auth login" in str(e.value) and "\n" not in str(e.value)
+    assert not (hub_cache_dir() / "models--org--nope").exists()  # nothing partial on disk
 
 
 def test_revision_not_found(fake_hub):
@@ -121,7 +122,7 @@ def test_pickle_only_repo_is_refused_before_download(fake_hub):
     with pytest.raises(MlxinferError, match=r"has only pickle weights \(pytorch_model\.bin\).*'mlxinfer convert'") as e:
         download_model("org/pickled")
     assert not isinstance(e.value, (ModelNotFound, DownloadError))
-    assert _downloads(fake_hub) == []
+    assert _downloads(fake_hub) == [] and not (hub_cache_dir() / "models--org--pickled").exists()
 
 
 @pytest.mark.parametrize(
