@@ -1,0 +1,27 @@
+// Python module `_mlxinfer_cpu`. Import mlx.core first: it registers mx.array with nanobind
+// (shared NB_DOMAIN mlx) and loads libmlx.so.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/version.h"
+#include "ops.h"
+#include "qmm_kernels.h"
+#include "threadpool.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+#define MLXINFER_STR2(x) #x
+#define MLXINFER_STR(x) MLXINFER_STR2(x)
+
+NB_MODULE(_mlxinfer_cpu, m) {
+  m.doc() = "mlxinfer native CPU kernels (MLX custom primitives)";
+  m.def("quantized_matmul", &mlxinfer_cpu::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        nb::kw_only(), "group_size"_a, "bits"_a,
+        "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True).");
+  m.def("set_num_threads", [](int n) { mlxinfer_cpu::SpinPool::get().set_size(n); }, "n"_a);
+  m.def("num_threads", [] { return mlxinfer_cpu::SpinPool::get().size(); });
+  m.def("isa", [] { return std::string(mlxinfer_cpu::select_kernels().isa); });
+  // The MLX headers this module was compiled against; the C++ ABI is tied to that exact version.
+  m.attr("mlx_version") = MLXINFER_STR(MLX_VERSION_MAJOR) "." MLXINFER_STR(MLX_VERSION_MINOR) "." MLXINFER_STR(MLX_VERSION_PATCH);
+}

@@ -1,0 +1,74 @@
+// Portable kernels (any CPU; the compiler may auto-vectorise the fixed-width loops).
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "qmm_kernels.h"
+
+namespace mlxinfer_cpu {
+namespace isa_generic {
+
+struct V {
+  static constexpr int W = 8;
+  float f[8];
+  static V zero() { return V{}; }
+  static V load(const float* p) {
+    V a;
+    std::memcpy(a.f, p, sizeof(a.f));
+    return a;
+  }
+  static void store(float* p, V a) { std::memcpy(p, a.f, sizeof(a.f)); }
+  static V set1(float x) {
+    V a;
+    for (int i = 0; i < 8; ++i) a.f[i] = x;
+    return a;
+  }
+  static V fma(V a, V b, V c) {
+    for (int i = 0; i < 8; ++i) c.f[i] += a.f[i] * b.f[i];
+    return c;
+  }
+  static float reduce(V a) {
+    float s = 0.f;
+    for (int i = 0; i < 8; ++i) s += a.f[i];
+    return s;
+  }
+};
+
+static inline void load_q4(const uint8_t* p, V* q) {
+  for (int i = 0; i < 16; ++i) {
+    q[i / 8].f[i % 8] = static_cast<float>(p[i] & 0x0f);
+    q[2 + i / 8].f[i % 8] = static_cast<float>(p[i] >> 4);
+  }
+}
+
+static inline void load_q8(const uint8_t* p, V* q) {
+  for (int i = 0; i < 32; ++i) q[i / 8].f[i % 8] = static_cast<float>(p[i]);
+}
+
+constexpr int kPackM = 16;
+
+#include "qmm_impl.inc"
+
+}  // namespace isa_generic
+
+KernelSet generic_kernels() { return {"generic", isa_generic::kPackM, isa_generic::qmv, isa_generic::qmm}; }
+
+const KernelSet& select_kernels() {
+  static const KernelSet chosen = [] {
+    const char* force = std::getenv("MLXINFER_ISA");
+    std::string want = force ? force : "";
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    const bool has512 = __builtin_cpu_supports("avx512f");
+    const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (want == "generic") return generic_kernels();
+    if (want == "avx2" && has2) return avx2_kernels();
+    if ((want.empty() || want == "avx512") && has512) return avx512_kernels();
+    if (has2) return avx2_kernels();
+#endif
+    return generic_kernels();
+  }();
+  return chosen;
+}
+
+}  // namespace mlxinfer_cpu

@@ -1,0 +1,57 @@
+// Quantized matmul kernels in MLX's affine format: w (N, K*bits/32) uint32 with element k of a row
+// at bits [bits*(k%e), ...) of word k/e (e = 32/bits), scales/biases (N, K/group).
+// out[m, n] = sum_k x[m, k] * (q[n, k] * scale[n, k/g] + bias[n, k/g]).
+//
+// Every ISA variant lives in its own translation unit compiled with its own -m flags; this header
+// holds only plain structs and declarations so that no inline code is shared across them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mlxinfer_cpu {
+
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+struct QmmArgs {
+  int M, K, N;
+  int group_size;  // 32, 64 or 128
+  int bits;        // 4 or 8
+  const uint8_t* w;
+  const void* scales;
+  const void* biases;
+  ScaleType stype;
+  // Decode path: x as float32 (M, K). For 4-bit each 32-wide chunk is permuted as
+  // [x0, x2, ..., x30, x1, x3, ..., x31] to match how low/high nibbles unpack.
+  const float* x;
+  const float* xsum;  // (M, K/group): sum of x over each group, for the bias term
+  float* out;         // (M, N) float32
+};
+
+// Decode (M <= 8): rows [n0, n1) of the output for all M.
+using QmvFn = void (*)(const QmmArgs&, int n0, int n1);
+
+// Prefill (M > 8), output rows [n0, n1) with n1 - n0 <= kPackN. xpack: x transposed into m-blocks
+// of KernelSet::pack_m columns, k permuted as above for 4-bit, zero-padded: xpack[mb][k][pack_m].
+// scratch: kPackN * kKc floats. The caller zeroes out first (k-blocks accumulate into it).
+constexpr int kPackN = 48;
+constexpr int kKc = 512;
+using QmmFn = void (*)(const QmmArgs&, const float* xpack, int n0, int n1, float* scratch);
+
+struct KernelSet {
+  const char* isa;
+  int pack_m;
+  QmvFn qmv;
+  QmmFn qmm;
+};
+
+KernelSet generic_kernels();
+#if defined(__x86_64__) || defined(_M_X64)
+KernelSet avx2_kernels();
+KernelSet avx512_kernels();
+#endif
+
+// Best set for this CPU (runtime dispatch), or the one forced by MLXINFER_ISA=generic|avx2|avx512.
+const KernelSet& select_kernels();
+
+}  // namespace mlxinfer_cpu

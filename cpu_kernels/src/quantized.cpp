@@ -1,0 +1,214 @@
+// The QuantizedMatmul primitive: graph-building op + eval_cpu that runs the ISA kernels on the pool.
+#include "ops.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "qmm_kernels.h"
+#include "threadpool.h"
+
+namespace mlxinfer_cpu {
+
+namespace {
+
+class NativeQuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  NativeQuantizedMatmul(mx::Stream s, int group_size, int bits)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[mlxinfer_cpu] quantized_matmul runs on the CPU stream only");
+  }
+  const char* name() const override { return "MlxinferQuantizedMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const NativeQuantizedMatmul*>(&other);
+    return o && o->group_size_ == group_size_ && o->bits_ == bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape s = inputs[0].shape();
+    s.back() = inputs[1].shape(0);
+    return {s};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+template <typename T>
+void to_float(const mx::array& a, float* dst, size_t count) {
+  const T* p = a.data<T>();
+  for (size_t i = 0; i < count; ++i) dst[i] = static_cast<float>(p[i]);
+}
+
+// x (M, K) as float32; returns a pointer into x when it already is float32.
+const float* x_as_float(const mx::array& x, std::vector<float>& buf) {
+  if (x.dtype() == mx::float32) return x.data<float>();
+  buf.resize(x.size());
+  if (x.dtype() == mx::float16) {
+    to_float<mx::float16_t>(x, buf.data(), x.size());
+  } else {
+    to_float<mx::bfloat16_t>(x, buf.data(), x.size());
+  }
+  return buf.data();
+}
+
+// Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
+inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
+
+void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+             const mx::array& biases, mx::array& out, int group_size, int bits) {
+  const KernelSet& ks = select_kernels();
+  SpinPool& pool = SpinPool::get();
+  const int K = x.shape(-1);
+  const int N = w.shape(0);
+  const int M = static_cast<int>(x.size() / K);
+  const int ng = K / group_size;
+
+  thread_local std::vector<float> xbuf, xprep, xsum, obuf, scratch;
+  const float* xf = x_as_float(x, xbuf);
+  float* of;
+  if (out.dtype() == mx::float32) {
+    of = out.data<float>();
+  } else {
+    obuf.resize((size_t)M * N);
+    of = obuf.data();
+  }
+
+  QmmArgs a{};
+  a.M = M;
+  a.K = K;
+  a.N = N;
+  a.group_size = group_size;
+  a.bits = bits;
+  a.w = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
+  a.scales = scales.data<void>();
+  a.biases = biases.data<void>();
+  a.stype = scales.dtype() == mx::float32   ? ScaleType::f32
+            : scales.dtype() == mx::float16 ? ScaleType::f16
+                                            : ScaleType::bf16;
+  a.out = of;
+  const int T = pool.size();
+
+  if (M <= 8) {
+    xprep.resize((size_t)M * K);
+    xsum.resize((size_t)M * ng);
+    for (int m = 0; m < M; ++m) {
+      const float* xr = xf + (size_t)m * K;
+      float* dr = xprep.data() + (size_t)m * K;
+      for (int c = 0; c < K; c += 32)
+        for (int p = 0; p < 32; ++p) dr[c + p] = xr[c + (bits == 4 ? perm4(p) : p)];
+      for (int g = 0; g < ng; ++g) {
+        float s = 0.f;
+        for (int k = 0; k < group_size; ++k) s += xr[g * group_size + k];
+        xsum[(size_t)m * ng + g] = s;
+      }
+    }
+    a.x = xprep.data();
+    a.xsum = xsum.data();
+    // ~4 tasks per thread balance the load; rows per task stay a multiple of 8.
+    int rows = (N + 4 * T - 1) / (4 * T);
+    rows = std::max(16, (rows + 7) / 8 * 8);
+    const int ntasks = (N + rows - 1) / rows;
+    pool.run(ntasks, [&](int t, int) { ks.qmv(a, t * rows, std::min(N, (t + 1) * rows)); });
+  } else {
+    const int pm = ks.pack_m;
+    const int mblocks = (M + pm - 1) / pm;
+    xprep.assign((size_t)mblocks * K * pm, 0.f);
+    for (int m = 0; m < M; ++m) {
+      const float* xr = xf + (size_t)m * K;
+      float* dst = xprep.data() + (size_t)(m / pm) * K * pm + (m % pm);
+      for (int c = 0; c < K; c += 32)
+        for (int p = 0; p < 32; ++p) dst[(size_t)(c + p) * pm] = xr[c + (bits == 4 ? perm4(p) : p)];
+    }
+    std::fill(of, of + (size_t)M * N, 0.f);
+    scratch.resize((size_t)T * kPackN * kKc);
+    float* scr = scratch.data();
+    const float* xp = xprep.data();
+    const int ntasks = (N + kPackN - 1) / kPackN;
+    pool.run(ntasks, [&](int t, int tid) {
+      ks.qmm(a, xp, t * kPackN, std::min(N, (t + 1) * kPackN), scr + (size_t)tid * kPackN * kKc);
+    });
+  }
+
+  if (out.dtype() == mx::float16) {
+    auto* o = out.data<mx::float16_t>();
+    for (size_t i = 0; i < (size_t)M * N; ++i) o[i] = static_cast<mx::float16_t>(of[i]);
+  } else if (out.dtype() == mx::bfloat16) {
+    auto* o = out.data<mx::bfloat16_t>();
+    for (size_t i = 0; i < (size_t)M * N; ++i) o[i] = static_cast<mx::bfloat16_t>(of[i]);
+  }
+}
+
+// Row-major copy of a strided array (libmlx does not export its own copy helpers).
+mx::array row_contiguous_copy(const mx::array& a) {
+  mx::array c(a.shape(), a.dtype(), nullptr, {});
+  c.set_data(mx::allocator::malloc(c.nbytes()));
+  const size_t item = a.itemsize();
+  const char* src = a.data<char>();
+  char* dst = c.data<char>();
+  const int nd = a.ndim();
+  std::vector<int> idx(nd, 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) off += idx[d] * a.strides()[d];
+    std::memcpy(dst + i * item, src + off * (int64_t)item, item);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < a.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+  return c;
+}
+
+void NativeQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+  enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), gs = group_size_,
+                bits = bits_]() mutable {
+    // Inputs are rarely strided (a transposed or sliced x); copy those inside the task, where
+    // their data is ready.
+    for (auto& a : in)
+      if (!a.flags().row_contiguous) a = row_contiguous_copy(a);
+    run_qmm(in[0], in[1], in[2], in[3], out, gs, bits);
+  });
+}
+
+bool is_float(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
+
+}  // namespace
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits) {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.quantized_matmul] " + msg); };
+  if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array");
+  if (x.ndim() < 1 || !is_float(x.dtype())) fail("x must be float32, float16 or bfloat16");
+  if (!is_float(scales.dtype()) || biases.dtype() != scales.dtype()) fail("scales and biases must share a float dtype");
+  const int N = w.shape(0);
+  const int K = w.shape(1) * 32 / bits;
+  if (x.shape(-1) != K) fail("x's last dim does not match the quantized weight");
+  if (scales.ndim() != 2 || scales.shape(0) != N || scales.shape(1) != K / group_size ||
+      biases.shape() != scales.shape())
+    fail("scales/biases must have shape (N, K / group_size)");
+  if (K / group_size > 4096) fail("K / group_size too large");
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  return mx::array(shape, mx::promote_types(x.dtype(), scales.dtype()),
+                   std::make_shared<NativeQuantizedMatmul>(mx::to_stream({}, mx::Device::cpu), group_size, bits),
+                   {x, w, scales, biases});
+}
+
+}  // namespace mlxinfer_cpu

@@ -1,0 +1,176 @@
+"""Native MLX CPU kernels: custom primitives from ``cpu_kernels/`` (C++, nanobind), used on the CPU backend.
+
+``provider()`` returns a ``KernelProvider`` ("cpu-native") or None; ``status()`` says in one line which build
+is in use or why there is none. The extension is ABI-tied to the exact MLX version it was compiled against, so
+a build is used only when its stamp matches the running MLX (and, in a source checkout, the current sources):
+
+1. the module next to this file, built by ``pip install`` (setup.py) against the MLX in the build env;
+2. else a module built on demand into ``$MLXINFER_CACHE/native/<mlx>-<python>-<sources>/`` by
+   ``python -m mlxinfer.native build`` (or ``ensure_built()``), e.g. after MLX was upgraded.
+
+Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
+(default: all cores); ``MLXINFER_ISA=generic|avx2|avx512`` forces a kernel variant (for tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, Optional, Tuple
+
+from mlxinfer.native import _build
+
+_HERE = Path(__file__).resolve().parent
+_REPO_SOURCES = _HERE.parent.parent / "cpu_kernels"
+_PACKAGED_SOURCES = _HERE.parent / "data" / "cpu_kernels"
+
+_state: dict = {}  # "module", "where", "reason", "provider" once loaded
+
+
+def source_dir() -> Optional[Path]:
+    """The C++ sources: the checkout's ``cpu_kernels/`` (editable install) or the copy shipped in the wheel."""
+    for d in (_REPO_SOURCES, _PACKAGED_SOURCES):
+        if (d / "CMakeLists.txt").is_file():
+            return d
+    return None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MLXINFER_CACHE")
+    root = Path(base).expanduser() if base else Path.home() / ".cache" / "mlxinfer"
+    return root / "native"
+
+
+def _mlx_version() -> str:
+    import mlx.core as mx
+
+    return mx.__version__.split(".dev")[0].split("+")[0]
+
+
+def _cache_build_dir(mlx_version: str, sources: str) -> Path:
+    py = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    return cache_dir() / f"mlx{mlx_version}-{py}-{sources}"
+
+
+def _check_stamp(directory: Path, mlx_version: str, sources: Optional[str]) -> Tuple[Optional[Path], str]:
+    """(module path, "") when ``directory`` holds a build usable now, else (None, why not)."""
+    so = directory / _build.module_filename()
+    if not so.is_file():
+        return None, f"no build in {directory}"
+    try:
+        stamp = json.loads((directory / _build.STAMP).read_text())
+    except (OSError, ValueError):
+        return None, f"{so.name} has no build stamp"
+    if stamp.get("mlx_version") != mlx_version:
+        return None, f"built for MLX {stamp.get('mlx_version')} but MLX {mlx_version} is installed"
+    if sources is not None and stamp.get("sources") != sources:
+        return None, "built from older cpu_kernels sources"
+    return so, ""
+
+
+def _import(path: Path) -> ModuleType:
+    import mlx.core  # noqa: F401  registers mx.array with nanobind and loads libmlx before the extension
+
+    spec = importlib.util.spec_from_file_location(_build.MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _locate() -> Tuple[Optional[Path], str]:
+    """(module path, where) for the first usable build, or (None, why none is usable)."""
+    mlx_version = _mlx_version()
+    src = source_dir()
+    sources = _build.sources_hash(src) if src is not None else None
+    # A wheel has no sources to compare against; a checkout must match its current sources.
+    installed, why_installed = _check_stamp(_HERE, mlx_version, sources if src == _REPO_SOURCES else None)
+    if installed is not None:
+        return installed, "built at install"
+    if sources is not None:
+        cached, _ = _check_stamp(_cache_build_dir(mlx_version, sources), mlx_version, sources)
+        if cached is not None:
+            return cached, f"built in {cached.parent}"
+    return None, f"native CPU kernels not built ({why_installed}); run: python -m mlxinfer.native build"
+
+
+def _load() -> Optional[ModuleType]:
+    if "reason" in _state:
+        return _state.get("module")
+    if os.environ.get("MLXINFER_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        _state["reason"] = "native CPU kernels disabled by MLXINFER_NATIVE=0"
+        return None
+    path, where = _locate()
+    if path is None:
+        _state["reason"] = where
+        return None
+    try:
+        module = _import(path)
+    except ImportError as exc:  # e.g. a libmlx symbol that moved: report, fall back to built-ins
+        _state["reason"] = f"native CPU kernels failed to load ({exc})"
+        return None
+    env_threads = os.environ.get("MLXINFER_THREADS", "").strip()
+    if env_threads.isdigit() and int(env_threads) > 0:
+        module.set_num_threads(int(env_threads))
+    _state.update(module=module, where=where, reason="")
+    return module
+
+
+def reset() -> None:
+    """Forget the loaded state so the next call looks again (after a build; tests)."""
+    _state.clear()
+
+
+def extension() -> Optional[ModuleType]:
+    """The loaded ``_mlxinfer_cpu`` module, or None (see ``status()``)."""
+    return _load()
+
+
+def status() -> str:
+    """One line: which native build is in use (ISA, threads, MLX version) or why none is."""
+    module = _load()
+    if module is None:
+        return _state["reason"]
+    return (
+        f"native CPU kernels ({module.isa()}, {module.num_threads()} threads, MLX {module.mlx_version}, "
+        f"{_state['where']})"
+    )
+
+
+def set_num_threads(n: int) -> None:
+    """Worker threads for the native kernels (the calling thread included)."""
+    module = _load()
+    if module is not None:
+        module.set_num_threads(int(n))
+
+
+def provider():
+    """The "cpu-native" KernelProvider, or None when the extension is unavailable (see ``status()``)."""
+    module = _load()
+    if module is None:
+        return None
+    if "provider" not in _state:
+        from mlxinfer.native.provider import NativeCpuProvider
+
+        _state["provider"] = NativeCpuProvider(module)
+    return _state["provider"]
+
+
+def ensure_built(log: Optional[Callable[[str], None]] = None) -> Path:
+    """Return a usable module path, building into the cache when no usable build exists.
+
+    Raises RuntimeError with the reason when it cannot be built (no sources, compiler, cmake or nanobind).
+    """
+    path, _ = _locate()
+    if path is not None:
+        return path
+    src = source_dir()
+    if src is None:
+        raise RuntimeError("the cpu_kernels sources are not installed with mlxinfer")
+    out = _cache_build_dir(_mlx_version(), _build.sources_hash(src))
+    built = _build.build(src, out, log=log)
+    reset()
+    return built

@@ -1,0 +1,23 @@
+"""Fixtures for the native CPU kernels: the extension module, built here if the install did not build it."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def native_ext():
+    """The loaded ``_mlxinfer_cpu`` module. Uses the install-time build when it matches the running MLX,
+    else compiles ``cpu_kernels/`` into ``$MLXINFER_CACHE/native`` (about a minute on 2 cores)."""
+    from mlxinfer import native
+
+    native.reset()
+    if native.extension() is None:
+        try:
+            native.ensure_built()
+        except RuntimeError as exc:
+            pytest.skip(f"native CPU kernels cannot be built here: {str(exc).splitlines()[0]}")
+        native.reset()
+    ext = native.extension()
+    assert ext is not None, native.status()
+    return ext

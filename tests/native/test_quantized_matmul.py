@@ -1,0 +1,135 @@
+"""The native quantized matmul against mx.quantized_matmul, in MLX's exact affine format."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import pytest
+
+pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
+
+# (M, K, N): decode (M <= 8) and prefill (M > 8) paths, K an odd multiple of 128, N odd or not a tile multiple.
+SHAPES = [(1, 384, 129), (3, 128, 77), (8, 640, 64), (9, 384, 50), (33, 1152, 97), (64, 256, 301)]
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _check(ext, M, K, N, bits, group_size, dtype, scale_dtype=mx.float32, batch=()):
+    w = mx.random.normal((N, K))
+    q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    s, b = s.astype(scale_dtype), b.astype(scale_dtype)
+    x = mx.random.normal((*batch, M, K)).astype(dtype)
+    ref = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=group_size, bits=bits)
+    out = ext.quantized_matmul(x, q, s, b, group_size=group_size, bits=bits)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    # Exact answer for these quantized weights; MLX itself accumulates half-precision inputs in lower
+    # precision, so the native result must be within tol of the truth or no worse than MLX's.
+    wd = mx.dequantize(q, s, b, group_size=group_size, bits=bits).astype(mx.float32)
+    truth = x.astype(mx.float32) @ wd.T
+    tol = {mx.float32: 1e-4, mx.float16: 2e-3, mx.bfloat16: 1e-2}[ref.dtype]
+    err = mx.abs(out.astype(mx.float32) - truth).max().item()
+    mlx_err = mx.abs(ref.astype(mx.float32) - truth).max().item()
+    scale = mx.abs(truth).max().item()
+    assert err <= max(tol * scale, 1.5 * mlx_err), (M, K, N, bits, group_size, dtype, err, mlx_err, scale)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_matches_mlx(native_ext, bits, group_size, dtype):
+    mx.random.seed(bits * 1000 + group_size)
+    for M, K, N in SHAPES:
+        _check(native_ext, M, K, N, bits, group_size, DTYPES[dtype])
+
+
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.bfloat16])
+def test_low_precision_scales(native_ext, scale_dtype):
+    mx.random.seed(1)
+    for M in (1, 5, 20):
+        _check(native_ext, M, 256, 96, 4, 64, mx.float32, scale_dtype=scale_dtype)
+        _check(native_ext, M, 256, 96, 8, 32, scale_dtype, scale_dtype=scale_dtype)
+
+
+def test_batched_and_strided_inputs(native_ext):
+    mx.random.seed(2)
+    _check(native_ext, 2, 256, 40, 4, 64, mx.float32, batch=(3,))  # (3, 2, K): M = 6 rows
+    _check(native_ext, 16, 256, 40, 4, 64, mx.float32, batch=(2,))  # (2, 16, K): prefill
+    q, s, b = mx.quantize(mx.random.normal((48, 128)), group_size=32, bits=4)
+    xt = mx.random.normal((128, 3)).T  # a transposed, non-contiguous view
+    ref = mx.quantized_matmul(xt, q, s, b, group_size=32, bits=4)
+    assert mx.allclose(native_ext.quantized_matmul(xt, q, s, b, group_size=32, bits=4), ref, atol=1e-4)
+
+
+def test_rejects_bad_arguments(native_ext):
+    q, s, b = mx.quantize(mx.random.normal((32, 128)), group_size=64, bits=4)
+    with pytest.raises(ValueError, match="bits"):
+        native_ext.quantized_matmul(mx.zeros((1, 128)), q, s, b, group_size=64, bits=3)
+    with pytest.raises(ValueError, match="last dim"):
+        native_ext.quantized_matmul(mx.zeros((1, 64)), q, s, b, group_size=64, bits=4)
+
+
+def test_inside_compiled_function(native_ext):
+    q, s, b = mx.quantize(mx.random.normal((64, 256)), group_size=64, bits=4)
+    f = mx.compile(lambda x: native_ext.quantized_matmul(x, q, s, b, group_size=64, bits=4) * 2.0)
+    x = mx.random.normal((1, 256))
+    assert mx.allclose(f(x), 2.0 * mx.quantized_matmul(x, q, s, b, group_size=64, bits=4), atol=1e-4)
+
+
+_ISA_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import mlx.core as mx
+    from mlxinfer import native
+    ext = native.extension()
+    print(ext.isa(), ext.num_threads())
+    mx.random.seed(3)
+    for bits in (4, 8):
+        for M in (1, 4, 8, 13, 40):
+            q, s, b = mx.quantize(mx.random.normal((100, 384)), group_size=128, bits=bits)
+            x = mx.random.normal((M, 384))
+            ref = mx.quantized_matmul(x, q, s, b, group_size=128, bits=bits)
+            out = ext.quantized_matmul(x, q, s, b, group_size=128, bits=bits)
+            err = mx.abs(out - ref).max().item()
+            if err > 1e-4 * mx.abs(ref).max().item():
+                sys.exit(f"bits={bits} M={M} err={err}")
+    """
+)
+
+
+def _run_isa_script(env_extra):
+    env = {**os.environ, **env_extra}
+    proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return proc.stdout.split()
+
+
+def test_every_isa_variant_and_thread_count(native_ext):
+    """Runtime dispatch: each kernel variant this CPU can run gives MLX's answer, on 1 and 3 threads."""
+    isas = ["generic"]
+    if native_ext.isa() in ("avx2", "avx512"):
+        isas.append("avx2")
+    if native_ext.isa() == "avx512":
+        isas.append("avx512")
+    for i, isa in enumerate(isas):
+        threads = "1" if i % 2 == 0 else "3"
+        got_isa, got_threads = _run_isa_script({"MLXINFER_ISA": isa, "MLXINFER_THREADS": threads})
+        assert (got_isa, got_threads) == (isa, threads)
+
+
+def test_set_num_threads(native_ext):
+    from mlxinfer import native
+
+    before = native_ext.num_threads()
+    try:
+        native.set_num_threads(1)
+        assert native_ext.num_threads() == 1 and "1 threads" in native.status()
+        q, s, b = mx.quantize(mx.random.normal((200, 256)), group_size=32, bits=4)
+        x = mx.random.normal((1, 256))
+        one = native_ext.quantized_matmul(x, q, s, b, group_size=32, bits=4)
+        native.set_num_threads(4)
+        assert mx.array_equal(one, native_ext.quantized_matmul(x, q, s, b, group_size=32, bits=4))
+    finally:
+        native.set_num_threads(before)
