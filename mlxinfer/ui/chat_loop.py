@@ -1,0 +1,173 @@
+"""The chat loop: read a line, run a slash command or a turn, show the reply and its stats.
+
+Ctrl-C during a reply: the first press asks the turn to stop at the next token (the partial reply stays in the
+history, marked interrupted, and the cache is re-synced); a second press interrupts at once (the cache is then
+rebuilt on the next turn). Ctrl-C at the prompt tells how to exit; Ctrl-D exits.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import sys
+from contextlib import contextmanager
+from typing import Callable
+
+from ..engine.session import Session, Turn
+from ..errors import MlxinferError
+from .chat_view import PlainView, RichView
+
+
+@contextmanager
+def _cancel_on_sigint(turn: Turn):
+    """First SIGINT cancels the turn gently; the default handler comes back for a second one."""
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except ValueError:  # not the main thread: no handler changes
+        yield
+        return
+
+    def handler(signum, frame):
+        turn.cancel()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class ChatApp:
+    """Owns the session, the view and the reader; slash commands (chat_commands) act on it."""
+
+    def __init__(self, session: Session, view: RichView | PlainView, reader, *, kernels: str = "auto",
+                 show_stats: bool = True, session_name: str | None = None, autosave: bool = False,
+                 registry=None, load_model: Callable | None = None):
+        self.session, self.view, self.reader = session, view, reader
+        self.kernels = kernels
+        self.show_stats = show_stats
+        self.session_name = session_name   # the name /save used last or --session gave
+        self.autosave = autosave           # --session NAME: save after every reply
+        self.registry = registry
+        self._load_model = load_model
+
+    # ----- models -----
+    def load_model(self, arg: str):
+        from ..registry import Registry
+        from .progress import load_model
+
+        self.registry = self.registry or Registry.load()
+        spec = self.registry.resolve(arg)
+        return (self._load_model or load_model)(spec, kernels=self.kernels)
+
+    def switch_model(self, arg: str) -> None:
+        loaded = self.load_model(arg)
+        old = self.session.loaded
+        self.session.switch_model(loaded)
+        del old
+        gc.collect()
+        try:
+            import mlx.core as mx
+
+            mx.clear_cache()
+        except Exception:  # noqa: BLE001 - freeing memory is best effort
+            pass
+        self.view.header(loaded, self.session)
+
+    # ----- turns -----
+    def run_turn(self, start: Callable[[], Turn]) -> Turn | None:
+        try:
+            turn = start()
+        except MlxinferError as e:
+            self.view.error(str(e))
+            return None
+        s = self.session
+        if turn.dropped:
+            self.view.notice(f"context full: dropped the {turn.dropped} oldest messages to stay within "
+                             f"{s.context_limit} tokens (the system prompt is kept)")
+        reply = self.view.reply(s.think)
+        turn.on_prefill = reply.prefill
+        it = iter(turn)
+        try:
+            with _cancel_on_sigint(turn):
+                for r in it:
+                    reply.feed(r.text)
+        except KeyboardInterrupt:
+            turn.cancel()
+        finally:
+            it.close()
+            reply.finish(interrupted=turn.interrupted)
+        if turn.discarded:
+            self.view.notice("stopped before the reply began; the message was dropped (Up arrow brings it back)")
+        if turn.stats is not None and self.show_stats:
+            from .console_out import stats_text
+
+            self.view.stats(stats_text(turn.stats, context=(s.context_used, s.context_limit)))
+        if turn.stats is not None and turn.stats.finish_reason == "length" and turn.max_tokens < s.params.max_tokens:
+            self.view.notice("the reply reached the context limit (/set context, /clear or /undo make room)")
+        if self.autosave and self.session_name:
+            self.save(self.session_name, quiet=True)
+        return turn
+
+    def save(self, name: str, quiet: bool = False) -> None:
+        from ..engine import store
+
+        try:
+            path = store.save(name, self.session.to_dict())
+        except (MlxinferError, OSError) as e:
+            self.view.error(f"could not save the session: {e}")
+            return
+        self.session_name = name
+        if not quiet:
+            self.view.info(f"saved session '{name}' ({len(self.session.messages)} messages) to {path}")
+
+    def show_history(self, last: int = 20) -> None:
+        msgs = self.session.messages
+        if len(msgs) > last:
+            self.view.notice(f"({len(msgs) - last} earlier messages not shown)")
+        for m in msgs[-last:]:
+            if m["role"] == "user":
+                self.view.user_message(m["content"])
+            else:
+                self.view.assistant_message(m["content"], self.session.think, m.get("interrupted", False))
+
+    # ----- the loop -----
+    def run(self) -> None:
+        from .chat_commands import dispatch, is_command
+
+        self.view.header(self.session.loaded, self.session)
+        if self.session.messages:
+            self.show_history()
+        while True:
+            try:
+                text = self.reader.read()
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                self.view.notice("Use Ctrl-D, /bye or /exit to quit.")
+                continue
+            if not text.strip():
+                continue
+            if is_command(text):
+                try:
+                    if dispatch(self, text.strip()) == "exit":
+                        break
+                except MlxinferError as e:
+                    self.view.error(str(e))
+                continue
+            self.run_turn(lambda: self.session.send(text))
+        self.reader.close()
+
+
+def make_view(plain: bool):
+    return PlainView() if plain else RichView()
+
+
+def make_reader(plain: bool, completer=None):
+    from .chat_input import LineReader, PromptReader
+
+    if plain:
+        prompt_to = sys.stderr if sys.stdin.isatty() and sys.stderr.isatty() else None
+        return LineReader(prompt_to=prompt_to)
+    return PromptReader(completer=completer)

@@ -1,0 +1,293 @@
+"""What chat shows: header panel, live Markdown replies, think blocks, stats and notices.
+
+Two views with one interface: ``RichView`` for a terminal and ``PlainView`` for pipes/``--plain``/``NO_COLOR``
+(replies alone on stdout, everything else on stderr, so chat can be scripted).
+
+Streaming Markdown without flicker: while a reply streams, a Rich ``Live`` region shows only the last screenful
+of the rendered Markdown and is redrawn at most ``REFRESH_HZ`` times a second; when the reply ends the region is
+erased and the full rendering is printed once, so the scrollback holds exactly one copy of every line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.box import ROUNDED
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.panel import Panel
+from rich.segment import Segment
+from rich.table import Table
+from rich.text import Text
+
+REFRESH_HZ = 8
+CODE_THEME = "monokai"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_think(text: str) -> tuple[str | None, str, bool]:
+    """Split a reply into (thinking, answer, still_thinking). Handles templates that open the block in the
+    prompt, where the reply holds only the closing tag."""
+    start, end = text.find(THINK_OPEN), text.find(THINK_CLOSE)
+    if end >= 0 and (start < 0 or end < start):
+        return text[:end].strip(), text[end + len(THINK_CLOSE):].lstrip(), False
+    if start < 0:
+        return None, text, False
+    before = text[:start]
+    if end < 0:
+        return text[start + len(THINK_OPEN):].strip(), before, True
+    return text[start + len(THINK_OPEN):end].strip(), (before + text[end + len(THINK_CLOSE):]).lstrip(), False
+
+
+def reply_renderable(text: str, think: str = "on", streaming: bool = False):
+    """The Rich rendering of a (partial) reply: thinking dimmed (or one line when hidden), answer as Markdown."""
+    thinking, answer, open_ = split_think(text)
+    parts = []
+    if thinking is not None:
+        if think == "hide":
+            words = len(thinking.split())
+            label = f"thinking… ({words} words)" if open_ else f"thought for {words} words (hidden; /think on shows it)"
+            parts.append(Text(label, style="dim italic"))
+        elif thinking:
+            parts.append(Text("Thinking", style="dim bold"))
+            parts.append(Text(thinking, style="dim italic"))
+            if not open_:
+                parts.append(Text(""))
+    if answer.strip():
+        parts.append(Markdown(answer, code_theme=CODE_THEME))
+    elif streaming and not parts:
+        parts.append(Text("…", style="dim"))
+    return Group(*parts)
+
+
+class _Tail:
+    """Renders another renderable and keeps only its last ``height`` lines (the Live region never scrolls)."""
+
+    def __init__(self, renderable, height: int):
+        self.renderable, self.height = renderable, max(height, 3)
+
+    def __rich_console__(self, console, options):
+        lines = console.render_lines(self.renderable, options, pad=False)
+        for line in lines[-self.height:]:
+            yield from line
+            yield Segment.line()
+
+
+def _quiet_tty():
+    """Turn off echo on the terminal while a reply streams: an echoed ^C or stray keys would shift the live
+    region by a line and leave a copy of it behind. Returns a function that restores the settings."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        old = termios.tcgetattr(fd)
+        new = list(old)
+        new[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))
+        termios.tcsetattr(fd, termios.TCSANOW, new)
+    except Exception:  # noqa: BLE001 - no terminal (or no termios): nothing to quiet
+        return lambda: None
+
+    def restore():
+        try:
+            termios.tcsetattr(fd, termios.TCSANOW, old)
+        except Exception:  # noqa: BLE001
+            pass
+
+    return restore
+
+
+class RichReply:
+    def __init__(self, console: Console, think: str):
+        self.console, self.think = console, think
+        self.text = ""
+        self._last = 0.0
+        self._restore_tty = _quiet_tty()
+        self._live = Live(console=console, auto_refresh=False, transient=True, redirect_stdout=False,
+                          redirect_stderr=False)
+        self._live.start()
+        self._live.update(Text("…", style="dim"), refresh=True)
+
+    def prefill(self, done: int, total: int) -> None:
+        if not self.text and total > 256:
+            self._live.update(Text(f"reading the prompt… {done}/{total} tokens", style="dim"), refresh=True)
+
+    def feed(self, piece: str) -> None:
+        if not piece:
+            return
+        self.text += piece
+        now = time.monotonic()
+        if now - self._last >= 1 / REFRESH_HZ:
+            self._last = now
+            height = self.console.size.height - 2
+            self._live.update(_Tail(reply_renderable(self.text, self.think, streaming=True), height), refresh=True)
+
+    def finish(self, interrupted: bool = False) -> None:
+        self._live.stop()  # transient: the live region is erased...
+        self._restore_tty()
+        if self.text.strip():  # ...and the final rendering printed once, into the scrollback
+            self.console.print(reply_renderable(self.text, self.think))
+        if interrupted:
+            self.console.print(Text("[interrupted]", style="yellow"))
+
+
+class PlainReply:
+    """Writes the reply to stdout as it streams; with think=hide, text inside <think>…</think> is held back."""
+
+    def __init__(self, out, think: str):
+        self.out, self.think = out, think
+        self.text, self._written = "", 0
+
+    def prefill(self, done: int, total: int) -> None:
+        pass
+
+    def _visible(self, final: bool) -> str:
+        if self.think != "hide":
+            return self.text
+        thinking, answer, open_ = split_think(self.text)
+        if thinking is None:
+            # Hold back a possible partial "<think>" at the end until it is decided.
+            keep = 0 if final else max((n for n in range(1, len(THINK_OPEN)) if self.text.endswith(THINK_OPEN[:n])),
+                                       default=0)
+            return self.text[:len(self.text) - keep]
+        return "" if open_ else answer
+
+    def feed(self, piece: str) -> None:
+        self.text += piece
+        visible = self._visible(final=False)
+        if len(visible) > self._written and visible.startswith(visible[:self._written]):
+            self.out.write(visible[self._written:])
+            self.out.flush()
+            self._written = len(visible)
+
+    def finish(self, interrupted: bool = False) -> None:
+        visible = self._visible(final=True)
+        if len(visible) > self._written:
+            self.out.write(visible[self._written:])
+        self.out.write("\n")
+        self.out.flush()
+        if interrupted:
+            print("[interrupted]", file=sys.stderr, flush=True)
+
+
+def header_rows(loaded, session) -> list[tuple[str, str]]:
+    from .console_out import format_bytes
+
+    import mlx.core as mx
+
+    backend = {"metal": "Metal (Apple GPU)", "cuda": "CUDA", "cpu": "CPU"}.get(loaded.backend, loaded.backend)
+    kernels = loaded.kernels + (f" ({loaded.kernels_detail})" if loaded.kernels_detail else "")
+    params = loaded.spec.params or f"{loaded.num_parameters() / 1e6:,.0f}M"
+    rows = [
+        ("model", loaded.name + (f" — {loaded.spec.description}" if loaded.spec.description else "")),
+        ("parameters", params),
+        ("quantization", loaded.quantization),
+        ("memory", f"{format_bytes(loaded.weight_bytes())} weights, {format_bytes(mx.get_active_memory())} in use"),
+        ("context", f"{session.context_limit:,} tokens"),
+        ("backend", f"{backend}, {loaded.dtype}"),
+        ("kernels", kernels),
+    ]
+    if session.system:
+        rows.append(("system", session.system if len(session.system) <= 60 else session.system[:57] + "..."))
+    return rows
+
+
+class RichView:
+    interactive = True
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console(highlight=False)
+
+    def header(self, loaded, session) -> None:
+        rows = header_rows(loaded, session)
+        grid = Table.grid(padding=(0, 3))
+        grid.add_column(style="default")
+        grid.add_column(style="bold")
+        for k, v in rows:
+            grid.add_row(k, v)
+        self.console.print(Panel(grid, title="[bold magenta]mlxinfer chat[/]", title_align="left",
+                                 border_style="blue", box=ROUNDED, padding=(0, 2)))
+        self.console.print(Text.assemble(
+            ("  /help", "bold"), (" commands · ", "dim"), ('"""', "bold"), (" or ", "dim"), ("Alt-Enter", "bold"),
+            (" for multi-line · ", "dim"), ("Ctrl-C", "bold"), (" stops a reply · ", "dim"), ("Ctrl-D", "bold"),
+            (" exits", "dim"),
+        ))
+
+    def reply(self, think: str) -> RichReply:
+        return RichReply(self.console, think)
+
+    def user_message(self, text: str) -> None:
+        self.console.print(Text(">>> ", style="bold magenta") + Text(text))
+
+    def assistant_message(self, text: str, think: str, interrupted: bool = False) -> None:
+        self.console.print(reply_renderable(text, think))
+        if interrupted:
+            self.console.print(Text("[interrupted]", style="yellow"))
+
+    def stats(self, line: str) -> None:
+        self.console.print(Text(line, style="dim"))
+
+    def info(self, text: str) -> None:
+        self.console.print(Text(text))
+
+    def table(self, rows: list[tuple[str, str]], title: str | None = None) -> None:
+        grid = Table.grid(padding=(0, 3))
+        grid.add_column(style="dim")
+        grid.add_column()
+        for k, v in rows:
+            grid.add_row(k, v)
+        if title:
+            self.console.print(Text(title, style="bold"))
+        self.console.print(grid)
+
+    def markdown(self, text: str) -> None:
+        self.console.print(Markdown(text))
+
+    def notice(self, text: str) -> None:
+        self.console.print(Text(text, style="yellow"))
+
+    def error(self, text: str) -> None:
+        self.console.print(Text("error: ", style="bold red") + Text(text))
+
+
+class PlainView:
+    """Replies on stdout; everything else (notices, command output, stats) on stderr."""
+
+    interactive = False
+
+    def __init__(self, out=None, err=None):
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.err, flush=True)
+
+    def header(self, loaded, session) -> None:
+        pass
+
+    def reply(self, think: str) -> PlainReply:
+        return PlainReply(self.out, think)
+
+    def user_message(self, text: str) -> None:
+        self._say(f">>> {text}")
+
+    def assistant_message(self, text: str, think: str, interrupted: bool = False) -> None:
+        self._say(text + (" [interrupted]" if interrupted else ""))
+
+    def stats(self, line: str) -> None:
+        self._say(line)
+
+    info = notice = _say
+
+    def table(self, rows: list[tuple[str, str]], title: str | None = None) -> None:
+        if title:
+            self._say(title)
+        width = max((len(k) for k, _ in rows), default=0)
+        for k, v in rows:
+            self._say(f"  {k.ljust(width)}  {v}")
+
+    def markdown(self, text: str) -> None:
+        self._say(text)
+
+    def error(self, text: str) -> None:
+        self._say(f"error: {text}")
