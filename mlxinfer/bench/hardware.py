@@ -1,0 +1,204 @@
+"""The machine a benchmark ran on: chip/CPU, cores, memory, and peak memory bandwidth with where it came from.
+
+On Apple Silicon the bandwidth comes from Apple's published figures (table below). Elsewhere a short multi-threaded
+copy probe measures it once and caches the result per machine, so every later run reports the same reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Unified-memory bandwidth in GB/s (10^9 B/s) from Apple's specifications. Binned Max chips differ by CPU cores:
+# (chip, CPU cores) entries win over the plain chip entry.
+APPLE_BANDWIDTH_GBPS: dict[str, float] = {
+    "M1": 68.25, "M1 Pro": 200, "M1 Max": 400, "M1 Ultra": 800,
+    "M2": 100, "M2 Pro": 200, "M2 Max": 400, "M2 Ultra": 800,
+    "M3": 100, "M3 Pro": 150, "M3 Max": 400, "M3 Ultra": 819,
+    "M4": 120, "M4 Pro": 273, "M4 Max": 546,
+    "M5": 153,
+}
+APPLE_BINNED_GBPS: dict[tuple[str, int], float] = {("M3 Max", 14): 300, ("M4 Max", 14): 410}
+PROBE_VERSION = 1
+
+
+def apple_chip_name(label: str) -> str | None:
+    """'Apple M3 Max' -> 'M3 Max'; None when the label is not an Apple M-series chip."""
+    import re
+
+    m = re.search(r"\b(M\d+)(?:\s+(Pro|Max|Ultra))?\b", label)
+    return f"{m[1]} {m[2]}" if m and m[2] else (m[1] if m else None)
+
+
+def apple_bandwidth(label: str, cpu_cores: int | None) -> tuple[float, str] | None:
+    """(GB/s, source) from the Apple table, or None for an unknown chip."""
+    chip = apple_chip_name(label)
+    if chip is None:
+        return None
+    if cpu_cores and (chip, cpu_cores) in APPLE_BINNED_GBPS:
+        return APPLE_BINNED_GBPS[(chip, cpu_cores)], f"Apple specification ({chip}, {cpu_cores}-core CPU)"
+    if chip in APPLE_BANDWIDTH_GBPS:
+        return float(APPLE_BANDWIDTH_GBPS[chip]), f"Apple specification ({chip})"
+    return None
+
+
+def _sysctl(name: str) -> str | None:
+    try:
+        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def cpu_label() -> str:
+    if sys.platform == "darwin":
+        brand = _sysctl("machdep.cpu.brand_string")
+        if brand:
+            return brand
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_cores() -> int:
+    """Cores this process may use (the affinity mask on Linux, all logical CPUs elsewhere)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def memory_bytes() -> int:
+    if sys.platform == "darwin":
+        value = _sysctl("hw.memsize")
+        if value and value.isdigit():
+            return int(value)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def gpu_label() -> str | None:
+    """The MLX GPU's name (Metal/CUDA), None on the CPU backend."""
+    from ..engine.backend import backend, hardware_label
+
+    return hardware_label() if backend() == "metal" else (_cuda_name() if backend() == "cuda" else None)
+
+
+def _cuda_name() -> str | None:
+    try:
+        import mlx.core as mx
+
+        return str(mx.device_info().get("device_name")) or None
+    except Exception:  # noqa: BLE001 - device_info differs between MLX builds
+        return None
+
+
+def probe_copy_bandwidth(size_mb: int = 256, repeats: int = 5, threads: int | None = None) -> float:
+    """Measured copy bandwidth in GB/s: ``threads`` threads each copy a slice of a ``size_mb`` buffer (NumPy
+    releases the GIL for plain copies); a copy reads and writes every byte, so 2 × size per pass; best of N."""
+    import threading
+
+    import numpy as np
+
+    threads = threads or cpu_cores()
+    n = size_mb * (1 << 20) // 8
+    src = np.ones(n, dtype=np.float64)
+    dst = np.empty_like(src)
+    bounds = [(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
+
+    def part(lo: int, hi: int) -> None:
+        np.copyto(dst[lo:hi], src[lo:hi])
+
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        workers = [threading.Thread(target=part, args=b) for b in bounds]
+        t = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
+
+
+def _cache_file() -> Path:
+    from ..sources.gguf_import import cache_root
+
+    return cache_root() / "bench" / "bandwidth.json"
+
+
+def machine_key(label: str, cores: int, memory: int) -> str:
+    return f"{label}|{cores}|{memory // (1 << 20)}MiB|v{PROBE_VERSION}"
+
+
+def measured_bandwidth(label: str, cores: int, memory: int, *, refresh: bool = False) -> tuple[float, str]:
+    """(GB/s, source) from the cache, probing and caching (atomically) on first use."""
+    path, key = _cache_file(), machine_key(label, cores, memory)
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key) if isinstance(cached, dict) else None
+    if entry and not refresh:
+        return float(entry["gbps"]), f"measured copy probe, cached {entry['when']} ({entry['method']})"
+    gbps = probe_copy_bandwidth()
+    method = f"NumPy copy of 256 MiB on {cores} threads, best of 5"
+    cached = cached if isinstance(cached, dict) else {}
+    cached[key] = {"gbps": gbps, "when": time.strftime("%Y-%m-%d"), "method": method}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".bandwidth-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(cached, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only means probing again next time
+    return gbps, f"measured copy probe ({method})"
+
+
+def hardware_info(*, bandwidth_gbps: float | None = None, probe: bool = True) -> dict:
+    """Everything a record says about the machine. ``bandwidth_gbps`` overrides the table/probe."""
+    from ..engine.backend import backend, hardware_label
+
+    cpu, cores, memory = cpu_label(), cpu_cores(), memory_bytes()
+    chip = hardware_label() if backend() == "metal" else cpu
+    info = {"chip": chip, "cpu": cpu, "gpu": gpu_label(), "cpu_cores": cores, "memory_bytes": memory,
+            "bandwidth_gbps": None, "bandwidth_source": "unknown"}
+    if bandwidth_gbps is not None:
+        info.update(bandwidth_gbps=float(bandwidth_gbps), bandwidth_source="given with --bandwidth")
+        return info
+    found = apple_bandwidth(chip, _apple_cpu_cores() or cores) if sys.platform == "darwin" else None
+    if found is None and probe:
+        found = measured_bandwidth(chip, cores, memory)
+    if found:
+        info.update(bandwidth_gbps=found[0], bandwidth_source=found[1])
+    return info
+
+
+def _apple_cpu_cores() -> int | None:
+    value = _sysctl("hw.physicalcpu")
+    return int(value) if value and value.isdigit() else None
+
+
+def os_info() -> dict:
+    return {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
+            "platform": platform.platform(), "python": platform.python_version()}

@@ -1,0 +1,195 @@
+"""Timed primitives shared by both engines: prefill a context, one timed stream, one timed batch, and the bytes a
+decode step reads (weights actually touched + KV cache), which turns tok/s into an effective memory bandwidth.
+
+Timing is taken where a token id reaches Python: mlx-lm's generate loops call ``.item()`` on each token, which
+waits for MLX's evaluation, so every timestamp is synchronised with the computation that produced it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+PREFILL_STEP = 512
+
+
+@dataclass
+class Sample:
+    """One timed call. ``token_times`` are seconds from the call's start to each token's arrival (for a batch:
+    to each decode step, which yields one token per sequence)."""
+
+    prompt_tokens: int                # new prompt tokens (all sequences)
+    token_times: list[float] = field(default_factory=list)
+    tokens_per_step: int = 1          # batch size
+    peak_memory: int = 0
+    kv_per_token: int = 0             # KV-cache bytes one token of context takes (all layers, one sequence)
+    kv_capacity: list[int] | None = None  # per-layer token capacity (sliding windows), None = unbounded
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] if self.token_times else 0.0
+
+    @property
+    def e2e(self) -> float:
+        return self.token_times[-1] if self.token_times else 0.0
+
+    @property
+    def latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.ttft if self.ttft > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens after the first step over the time they took (same definition as GenerationStats)."""
+        steps = len(self.token_times) - 1
+        span = self.e2e - self.ttft
+        return steps * self.tokens_per_step / span if steps > 0 and span > 0 else 0.0
+
+
+def prefill(model, cache: list, tokens: Sequence[int], step: int = PREFILL_STEP) -> None:
+    """Run ``tokens`` through the model into ``cache`` (untimed context for depth tests), in chunks."""
+    import mlx.core as mx
+
+    for i in range(0, len(tokens), step):
+        model(mx.array(tokens[i:i + step])[None], cache=cache)  # (1, chunk) -> logits discarded
+        mx.eval([c.state for c in cache])
+
+
+def new_cache(model, context: Sequence[int] = ()) -> list:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    if context:
+        prefill(model, cache, context)
+    return cache
+
+
+def kv_layout(cache: list) -> tuple[int, list[int] | None]:
+    """(bytes per token of context for one sequence, per-layer capacities or None) measured on a used cache."""
+    per_token, caps, bounded = 0, [], False
+    for c in cache:
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if keys is None:
+            caps.append(0)
+            continue
+        parts = [*(keys if isinstance(keys, tuple) else (keys,)), *(values if isinstance(values, tuple) else (values,))]
+        first = parts[0]  # (B, n_kv_heads, allocated, D) or a quantized triple of such
+        per_token += sum(p.nbytes for p in parts) // (first.shape[0] * first.shape[-2])
+        cap = getattr(c, "max_size", None)
+        bounded |= cap is not None
+        caps.append(cap or 0)
+    return per_token, (caps if bounded else None)
+
+
+def kv_bytes(per_token: int, capacity: list[int] | None, tokens: float, n_layers: int) -> float:
+    """KV bytes held for ``tokens`` of context (sliding-window layers stop growing at their window)."""
+    if not capacity:
+        return per_token * tokens
+    per_layer = per_token / max(n_layers, 1)
+    return sum(per_layer * (min(tokens, cap) if cap else tokens) for cap in capacity)
+
+
+def weights_read_per_token(model, config: dict) -> int:
+    """Weight bytes one decode step reads: all parameters, except that an untied input embedding table is only
+    read at one row (a tied table is read in full as the output projection)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    embeddings = [m for _, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
+    if not embeddings:
+        return total
+    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", None)
+    if tied is None:
+        tied = config.get("tie_word_embeddings")
+    if tied is None:
+        tied = not any(k.startswith("lm_head.") or ".lm_head." in k for k, _ in tree_flatten(model.parameters()))
+    for emb in embeddings:
+        table = sum(v.nbytes for _, v in tree_flatten(emb.parameters()))
+        rows = emb["weight"].shape[0]
+        total -= 0 if tied else table - table // rows
+    return total
+
+
+Timed = Callable[[Sequence[int], int, list], "tuple[list[float], int]"]  # (prompt, gen, cache) -> (times, peak)
+
+
+def run_stream(timed: Timed, model, prompt: Sequence[int], gen: int, context: Sequence[int] = ()) -> Sample:
+    """Prefill ``context`` (untimed), then ``timed(prompt, gen, cache)``: one engine's generation, returning each
+    token's arrival time from the call's start and the peak memory of the call."""
+    cache = new_cache(model, context)
+    times, peak = timed(prompt, gen, cache)
+    sample = Sample(prompt_tokens=len(prompt), token_times=list(times), peak_memory=int(peak))
+    sample.kv_per_token, sample.kv_capacity = kv_layout(cache)
+    return sample
+
+
+def mlxinfer_timed(loaded) -> Timed:
+    """mlxinfer's own stream (the one chat uses), greedy with EOS ignored; times come from its GenerationStats."""
+    from ..engine.generate import stream_generate
+    from ..engine.sampling import SamplingParams
+
+    def timed(prompt, gen, cache):
+        last = None
+        for last in stream_generate(loaded, list(prompt), SamplingParams(temperature=0.0, max_tokens=gen),
+                                    cache=cache, ignore_eos=True):
+            pass
+        s = last.stats
+        times = [s.ttft]
+        for gap in s.token_latencies:
+            times.append(times[-1] + gap)
+        return times, s.peak_memory
+
+    return timed
+
+
+def mlx_lm_timed(model, tokenizer) -> Timed:
+    """mlx-lm's ``stream_generate`` (its default greedy sampler), EOS disabled as ``mlx_lm.benchmark`` does."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+
+    tokenizer._eos_token_ids = set()
+
+    def timed(prompt, gen, cache):
+        mx.reset_peak_memory()
+        times, start = [], time.perf_counter()
+        for _ in stream_generate(model, tokenizer, list(prompt), max_tokens=gen, prompt_cache=cache):
+            times.append(time.perf_counter() - start)
+        return times, int(mx.get_peak_memory())
+
+    return timed
+
+
+def run_batch(model, prompts: list[list[int]], gen: int, contexts: list[list[int]] | None = None) -> Sample:
+    """Time ``len(prompts)`` sequences decoded together by mlx-lm's ``BatchGenerator`` (greedy, no stop tokens)."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    b = len(prompts)
+    caches = [new_cache(model, c) for c in contexts] if contexts else None
+    per_token, capacity = kv_layout(caches[0]) if caches else (0, None)
+    gen_ = BatchGenerator(model, max_tokens=gen, stop_tokens=None, sampler=make_sampler(0.0),
+                          completion_batch_size=b, prefill_batch_size=b, prefill_step_size=PREFILL_STEP)
+    mx.reset_peak_memory()
+    sample = Sample(prompt_tokens=sum(len(p) for p in prompts), tokens_per_step=b)
+    try:
+        start = time.perf_counter()
+        gen_.insert(prompts, [gen] * b, caches=caches)
+        while responses := gen_.next_generated():
+            sample.token_times.append(time.perf_counter() - start)
+            if all(r.finish_reason is not None for r in responses) and len(responses) == b:
+                break
+    finally:
+        gen_.close()
+    sample.peak_memory = int(mx.get_peak_memory())
+    if not per_token:
+        probe = new_cache(model, prompts[0][:2])
+        per_token, capacity = kv_layout(probe)
+    sample.kv_per_token, sample.kv_capacity = per_token, capacity
+    return sample

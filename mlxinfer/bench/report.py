@@ -1,0 +1,304 @@
+"""Turn benchmark records into text: Markdown, CSV, JSON, JSONL, comparison rows (against a saved baseline or the
+mlx-lm peer) and a terminal bar chart of decode speed against depth. Nothing here prints; the CLI renders."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from ..errors import InvalidParameter
+from .provenance import flatten
+from .stats import format_mean_std
+
+FORMATS = ("md", "csv", "json", "jsonl")
+SUFFIX_FORMATS = {".md": "md", ".markdown": "md", ".csv": "csv", ".json": "json", ".jsonl": "jsonl"}
+COLUMNS = ("model", "engine", "test", "prefill t/s", "decode t/s", "TTFT s", "ITL p50/p95/p99 ms", "e2e s",
+           "peak mem", "KV cache", "eff. BW GB/s")
+# Metrics compared between runs/engines: (results key, label, higher is better).
+COMPARED = (("prefill_tps", "prefill t/s", True), ("decode_tps", "decode t/s", True), ("ttft_s", "TTFT s", False),
+            ("ttft_cold_s", "TTFT cold s", False), ("ttft_warm_s", "TTFT warm s", False),
+            ("peak_memory_bytes", "peak mem MB", False))
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "-"
+
+
+def _engine_label(e: dict) -> str:
+    return e["name"] if e.get("kernels") in (None, "builtin") else f"{e['name']} ({e['kernels']})"
+
+
+def summary_row(r: dict) -> list[str]:
+    """One table row for a record, in COLUMNS order."""
+    res, base = r["results"], [r["model"]["name"], _engine_label(r["engine"]), r["test"]]
+    if r["workload"]["kind"] == "prefix":
+        cold, warm = res["ttft_cold_s"], res["ttft_warm_s"]
+        ttft = f"{format_mean_std(cold, 3)} cold → {format_mean_std(warm, 3)} warm ({res['ttft_speedup']:.1f}x)"
+        return base + ["-", "-", ttft, "-", "-", fmt_bytes(res["peak_memory_bytes"]), "-", "-"]
+    itl = res["itl_s"]
+    itl_text = f"{itl['p50'] * 1e3:.0f}/{itl['p95'] * 1e3:.0f}/{itl['p99'] * 1e3:.0f}" if itl["n"] else "-"
+    bw = format_mean_std(res["bandwidth_gbps"])
+    if res.get("bandwidth_share") is not None and res["bandwidth_gbps"]["n"]:
+        bw += f" ({res['bandwidth_share'] * 100:.0f}%)"
+    return base + [format_mean_std(res["prefill_tps"], 1), format_mean_std(res["decode_tps"], 1),
+                   format_mean_std(res["ttft_s"], 3), itl_text, format_mean_std(res["e2e_s"]),
+                   fmt_bytes(res["peak_memory_bytes"]), fmt_bytes(res["kv_cache_bytes"]), bw]
+
+
+def summary_table(records: list[dict], compact: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(columns, rows) of the main table; ``compact`` drops the model/engine columns when they never change."""
+    columns, rows = list(COLUMNS), [summary_row(r) for r in records]
+    if compact:
+        for name in ("engine", "model"):
+            i = columns.index(name)
+            if len({row[i] for row in rows}) <= 1:
+                columns.pop(i)
+                rows = [row[:i] + row[i + 1:] for row in rows]
+    return columns, rows
+
+
+def provenance_lines(records: list[dict]) -> list[str]:
+    """One line per distinct model, engine, machine: what the numbers were measured on."""
+    lines, seen = [], set()
+    for r in records:
+        m, e, h, o = r["model"], r["engine"], r["hardware"], r["os"]
+        quant = m["quantization"]
+        items = [
+            f"model {m['name']}: {m['model_type']}, {m['params'] / 1e6:.1f}M params, {quant}, {m['dtype']}, "
+            f"{fmt_bytes(m['weight_bytes'])} weights, revision {m['revision'] or '-'}",
+            f"engine {e['name']} {e['version']}"
+            + (f" @ {e['git_commit'][:10]}{' (dirty)' if e.get('git_dirty') else ''}" if e.get("git_commit") else "")
+            + f": mlx {e['mlx']}, mlx-lm {e['mlx_lm']}, backend {e['backend']}, kernels {e['kernels']}",
+            f"hardware: {h['chip']}, {h['cpu_cores']} cores, {fmt_bytes(h['memory_bytes'])} memory, peak bandwidth "
+            + (f"{h['bandwidth_gbps']:.1f} GB/s ({h['bandwidth_source']})" if h.get("bandwidth_gbps") else "unknown")
+            + f"; {o['platform']}, Python {o['python']}",
+        ]
+        for item in items:
+            if item not in seen:
+                seen.add(item)
+                lines.append(item)
+    if records:
+        w = records[0]["workload"]
+        lines.append(f"workload: prompt {w['prompt_source']}, {w['warmup']} warmup + {w['repetitions']} repetitions, "
+                     f"{w['sampler']}, EOS ignored; mean ± std; {records[0]['timestamp']}, "
+                     f"load average {records[0]['hardware'].get('load_avg_1m')}")
+    return lines
+
+
+def md_table(headers, rows) -> str:
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    out = ["| " + " | ".join(map(esc, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(map(esc, row)) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def to_markdown(records: list[dict], baseline: list[dict] | None = None) -> str:
+    parts = ["\n".join(f"- {line}" for line in provenance_lines(records)), md_table(COLUMNS, map(summary_row, records))]
+    peer = peer_rows(records)
+    if peer:
+        parts.append("mlxinfer vs mlx-lm (ratio = mlxinfer / mlx-lm)\n\n" + md_table(PEER_COLUMNS, peer))
+    if baseline is not None:
+        parts.append("against the baseline (ratio = this run / baseline)\n\n"
+                     + md_table(COMPARE_COLUMNS, compare_rows(records, baseline)))
+    chart = depth_chart(records)
+    if chart:
+        parts.append("```\n" + "\n".join(chart) + "\n```")
+    return "\n\n".join(parts) + "\n"
+
+
+def _csv_value(v) -> object:
+    if isinstance(v, list):
+        return " ".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in v)
+    return "" if v is None else v
+
+
+def to_csv(records: list[dict]) -> str:
+    """One row per record, dotted column names (``results.decode_tps.mean``), the union of all records' fields."""
+    flat = [flatten(r) for r in records]
+    columns: list[str] = []
+    for f in flat:
+        columns += [k for k in f if k not in columns]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    w.writeheader()
+    for f in flat:
+        w.writerow({k: _csv_value(f.get(k)) for k in columns})
+    return buf.getvalue()
+
+
+def to_json(records: list[dict]) -> str:
+    return json.dumps(records, indent=1) + "\n"
+
+
+def to_jsonl(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def render(records: list[dict], fmt: str, baseline: list[dict] | None = None) -> str:
+    if fmt == "md":
+        return to_markdown(records, baseline)
+    return {"csv": to_csv, "json": to_json, "jsonl": to_jsonl}[fmt](records)
+
+
+# ---- comparisons -------------------------------------------------------------------------------------------------
+PEER_COLUMNS = ("model", "test", "metric", "mlxinfer", "mlx-lm", "ratio")
+COMPARE_COLUMNS = ("model", "test", "engine", "metric", "this run", "baseline", "ratio")
+
+
+def _key(r: dict) -> tuple:
+    return (r["model"]["name"], r["test"], r["engine"]["name"])
+
+
+def pair_metrics(a: dict, b: dict) -> list[dict]:
+    """Mean of each compared metric in two records and the ratio a / b (None when b's is zero)."""
+    out = []
+    for key, label, higher in COMPARED:
+        va, vb = a["results"].get(key), b["results"].get(key)
+        if va is None or vb is None:
+            continue
+        ma = va["mean"] if isinstance(va, dict) else float(va)
+        mb = vb["mean"] if isinstance(vb, dict) else float(vb)
+        if key == "peak_memory_bytes":
+            ma, mb = ma / 2**20, mb / 2**20
+        out.append({"metric": label, "a": ma, "b": mb, "ratio": ma / mb if mb else None, "higher_is_better": higher})
+    return out
+
+
+def _rows(pairs: list[tuple[dict, dict]], with_engine: bool = False) -> list[list[str]]:
+    rows = []
+    for a, b in pairs:
+        for m in pair_metrics(a, b):
+            ratio = "-" if m["ratio"] is None else f"{m['ratio']:.2f}x"
+            head = [a["model"]["name"], a["test"]] + ([_engine_label(a["engine"])] if with_engine else [])
+            rows.append(head + [m["metric"], f"{m['a']:.3f}", f"{m['b']:.3f}", ratio])
+    return rows
+
+
+def peer_pairs(records: list[dict]) -> list[tuple[dict, dict]]:
+    """(mlxinfer record, mlx-lm record) for each model and test measured by both."""
+    peers = {(r["model"]["name"], r["test"]): r for r in records if r["engine"]["name"] == "mlx-lm"}
+    return [(r, peers[(r["model"]["name"], r["test"])]) for r in records
+            if r["engine"]["name"] == "mlxinfer" and (r["model"]["name"], r["test"]) in peers]
+
+
+def peer_rows(records: list[dict]) -> list[list[str]]:
+    return _rows(peer_pairs(records))
+
+
+def compare_pairs(records: list[dict], baseline: list[dict]) -> list[tuple[dict, dict]]:
+    """(record, baseline record) matched on model, test and engine; when the models differ (comparing two models
+    on purpose) a unique match on test and engine is used instead."""
+    exact = {_key(r): r for r in baseline}
+    loose: dict[tuple, list[dict]] = {}
+    for r in baseline:
+        loose.setdefault((r["test"], r["engine"]["name"]), []).append(r)
+    pairs = []
+    for r in records:
+        match = exact.get(_key(r))
+        if match is None:
+            options = loose.get((r["test"], r["engine"]["name"]), [])
+            match = options[0] if len(options) == 1 else None
+        if match is not None:
+            pairs.append((r, match))
+    return pairs
+
+
+def compare_rows(records: list[dict], baseline: list[dict]) -> list[list[str]]:
+    return _rows(compare_pairs(records, baseline), with_engine=True)
+
+
+def load_baseline(path: Path) -> list[dict]:
+    """Records saved with ``-o json`` (a list) or ``-o jsonl``; raises InvalidParameter with one clear line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InvalidParameter(f"cannot read baseline {path}: {e.strerror or e}", hint="check the path") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        try:
+            data = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except ValueError as e:
+            raise InvalidParameter(f"baseline {path} is not JSON or JSONL ({e})",
+                                   hint="save a run with -o json") from None
+    if isinstance(data, dict):
+        data = data.get("records", [data])
+    if not isinstance(data, list) or not data or not all(_is_record(r) for r in data):
+        raise InvalidParameter(f"baseline {path} holds no mlxinfer bench records", hint="save a run with -o json")
+    return data
+
+
+def _is_record(r) -> bool:
+    return isinstance(r, dict) and all(k in r for k in ("test", "engine", "model", "workload", "results"))
+
+
+# ---- chart and output ----------------------------------------------------------------------------------------------
+def depth_chart(records: list[dict], width: int = 40) -> list[str]:
+    """Bars of decode tok/s against depth, one group per (engine, model, prompt, gen, batch) with 2+ depths."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        w = r["workload"]
+        if w["kind"] != "prefix":
+            key = (r["engine"]["name"], r["model"]["name"], w["prompt_tokens"], w["gen_tokens"], w["batch"])
+            groups.setdefault(key, []).append(r)
+    lines: list[str] = []
+    for (engine, model, p, n, b), rs in groups.items():
+        if len({r["workload"]["depth"] for r in rs}) < 2:
+            continue
+        rs = sorted(rs, key=lambda r: r["workload"]["depth"])
+        values = [r["results"]["decode_tps"]["mean"] for r in rs]
+        top = max(values) or 1.0
+        label_w = max(len(f"d{r['workload']['depth']}") for r in rs)
+        lines.append(f"decode tok/s vs depth: {model}, {engine}, pp{p}+tg{n}" + (f" x b{b}" if b > 1 else ""))
+        for r, v in zip(rs, values):
+            cells = v / top * width
+            bar = "█" * int(cells) + (" ▏▎▍▌▋▊▉"[int((cells - int(cells)) * 8)] if cells < width else "")
+            lines.append(f"  {'d' + str(r['workload']['depth']):>{label_w}} {bar.rstrip():<{width}} {v:.2f}")
+    return lines
+
+
+def output_target(value: str | None) -> tuple[str | None, Path | None]:
+    """``-o`` is a format name (write to stdout) or a file path whose suffix names the format."""
+    if value is None:
+        return None, None
+    if value in FORMATS:
+        return value, None
+    path = Path(value).expanduser()
+    fmt = SUFFIX_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise InvalidParameter(f"unknown output {value!r}",
+                               hint=f"use a format ({', '.join(FORMATS)}) or a file ending in .md/.csv/.json/.jsonl")
+    check_writable(path)
+    return fmt, path
+
+
+def check_writable(path: Path) -> None:
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InvalidParameter(f"output {path} is a directory", hint="give a file name")
+    if not parent.is_dir():
+        raise InvalidParameter(f"cannot write {path}: folder {parent} does not exist", hint="create it first")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InvalidParameter(f"cannot write {path}: permission denied", hint="choose another path")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,278 @@
+"""Run a benchmark: validate everything first, then for each model (and optionally its mlx-lm peer) every test
+case with warmup and repetitions, turning the timed samples into self-describing records (see ``report``)."""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import InvalidParameter
+from . import measure, provenance
+from .hardware import hardware_info, os_info
+from .stats import summarize
+from .workload import Case, PromptSource, expand_cases
+
+SCHEMA = "mlxinfer-bench/1"
+PEERS = ("mlx-lm",)
+WARMUP_GEN = 4  # warmup runs decode a few tokens: enough to allocate and compile, cheap at any -n
+Progress = Callable[[str, int, int], None]  # (what is running, done, total)
+
+
+@dataclass
+class BenchOptions:
+    prompts: list[int] = field(default_factory=lambda: [512])
+    gens: list[int] = field(default_factory=lambda: [128])
+    depths: list[int] = field(default_factory=lambda: [0])
+    batches: list[int] | None = None   # None: single-stream tests; a list: batched decode at each size
+    prefixes: list[int] = field(default_factory=list)
+    repetitions: int = 5
+    warmup: int = 1
+    seed: int = 0
+    prompt_file: Path | None = None
+    peer: str | None = None
+    kernels: str = "auto"
+    bandwidth_gbps: float | None = None
+
+    def cases(self) -> list[Case]:
+        return expand_cases(self.prompts, self.gens, self.depths, self.batches, self.prefixes)
+
+    def validate(self) -> "BenchOptions":
+        if self.repetitions < 1:
+            raise InvalidParameter(f"invalid repetitions {self.repetitions}: must be >= 1")
+        if self.warmup < 0:
+            raise InvalidParameter(f"invalid warmup {self.warmup}: must be >= 0")
+        if self.peer is not None and self.peer not in PEERS:
+            raise InvalidParameter(f"unknown peer {self.peer!r}", hint=f"supported: {', '.join(PEERS)}")
+        if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
+            raise InvalidParameter(f"invalid bandwidth {self.bandwidth_gbps}: must be > 0 GB/s")
+        if self.prompt_file is not None:
+            if not Path(self.prompt_file).is_file():
+                raise InvalidParameter(f"prompt file {self.prompt_file} does not exist", hint="check the path")
+            try:
+                Path(self.prompt_file).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise InvalidParameter(f"cannot read prompt file {self.prompt_file}: {e}") from None
+        for n, name in ((min(self.prompts, default=1), "prompt length"), (min(self.gens, default=1), "generation length")):
+            if n < 1:
+                raise InvalidParameter(f"invalid {name} {n}: must be a positive integer")
+        if min(self.depths, default=0) < 0 or min(self.prefixes, default=1) < 1:
+            raise InvalidParameter("depths must be >= 0 and prefix lengths >= 1")
+        if self.batches is not None and min(self.batches, default=1) < 1:
+            raise InvalidParameter("batch sizes must be positive integers")
+        return self
+
+
+def context_length_of(spec, progress=None) -> tuple[Path, int]:
+    """The model directory (downloading or importing if needed) and its usable context, without loading weights."""
+    import json
+
+    from ..engine.loader import LoadedModel, _local_dir, check_model_dir
+
+    path = _local_dir(spec, progress)
+    check_model_dir(path)
+    config = json.loads((path / "config.json").read_text())
+    shell = LoadedModel(model=None, tokenizer=None, config=config, path=path, spec=spec, backend="", dtype="")
+    return path, shell.context_length
+
+
+def check_context(name: str, context: int, cases: list[Case]) -> None:
+    worst = max(cases, key=Case.context_needed)
+    if worst.context_needed() > context:
+        raise InvalidParameter(
+            f"{worst.label} needs {worst.context_needed()} tokens of context but {name} holds {context}",
+            hint="lower -d/-p/-n (depth + prompt + generated must fit)",
+        )
+
+
+def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, progress: Progress | None = None,
+              on_record: Callable[[dict], None] | None = None) -> list[dict]:
+    """Benchmark each model spec (already resolved). ``load(spec, kernels=...)`` loads one model (default:
+    ``engine.loader.load``). All inputs, including each model's context limit, are checked before any timing."""
+    from ..engine.loader import load as default_load
+
+    opts.validate()
+    cases = opts.cases()
+    if not cases:
+        raise InvalidParameter("nothing to run", hint="give -p/-n lengths or --prefix-cache lengths")
+    for spec in specs:
+        _, context = context_length_of(spec)
+        check_context(spec.alias or spec.name, context, cases)
+    hw = hardware_info(bandwidth_gbps=opts.bandwidth_gbps)
+    system = os_info()
+    engines = 2 if opts.peer else 1
+    total = len(specs) * engines * len(cases) * (opts.warmup + opts.repetitions)
+    ticker = _Ticker(progress, total)
+    records: list[dict] = []
+
+    def emit(record: dict) -> None:
+        records.append(record)
+        if on_record:
+            on_record(record)
+
+    for spec in specs:
+        loaded = (load or default_load)(spec, kernels=opts.kernels)
+        source = _prompt_source(loaded, opts)
+        common = dict(hardware=hw, system=system, source=source, opts=opts, ticker=ticker, emit=emit)
+        _run_engine(cases, model=loaded.model, config=loaded.config, timed=measure.mlxinfer_timed(loaded),
+                    engine=provenance.engine_info(loaded), model_info=provenance.loaded_model_info(loaded), **common)
+        if opts.peer == "mlx-lm":
+            from ..kernels.patch import apply_kernels
+
+            # Our kernels also swap attention per mlx-lm module: undo that so the peer runs pure mlx-lm.
+            apply_kernels(loaded.model, "builtin")
+            spec_, path, backend, context = loaded.spec, loaded.path, loaded.backend, loaded.context_length
+            del loaded
+            _free()
+            model, tokenizer, info = _load_peer(spec_, path, context)
+            _run_engine(cases, model=model, config=info.pop("_config"), timed=measure.mlx_lm_timed(model, tokenizer),
+                        engine=provenance.peer_engine_info(backend), model_info=info, **common)
+            del model, tokenizer
+        else:
+            del loaded
+        _free()
+    return records
+
+
+def _free() -> None:
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+
+
+def _load_peer(spec, path: Path, context: int):
+    """mlx-lm's own load of the same directory: its defaults, including the dtype the weights were saved in."""
+    from mlx_lm import load as lm_load
+
+    model, tokenizer, config = lm_load(str(path), return_config=True)
+    dtype = provenance.majority_float_dtype(model)
+    q = config.get("quantization")
+    quant = f"{q.get('bits')}-bit {q.get('mode', 'affine')}, group {q.get('group_size')}" if q else f"none ({dtype})"
+    info = provenance.model_info(spec, path, config, model, dtype=dtype, quantization=quant, context_length=context)
+    info["_config"] = config
+    return model, tokenizer, info
+
+
+def _prompt_source(loaded, opts: BenchOptions) -> PromptSource:
+    cfg = loaded.config
+    vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or loaded.tokenizer.vocab_size
+    if opts.prompt_file is None:
+        return PromptSource(int(vocab), opts.seed)
+    text = Path(opts.prompt_file).read_text(encoding="utf-8")
+    tokens = loaded.tokenizer.encode(text, add_special_tokens=False)
+    return PromptSource(int(vocab), opts.seed, tokens, label=f"file {Path(opts.prompt_file).name} ({len(tokens)} tokens)")
+
+
+class _Ticker:
+    def __init__(self, progress: Progress | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, what: str, advance: int = 1) -> None:
+        self.done += advance
+        if self.progress:
+            self.progress(what, self.done, self.total)
+
+
+def _run_engine(cases, *, model, config, timed, engine, model_info, hardware, system, source, opts, ticker, emit):
+    weights = measure.weights_read_per_token(model, config)
+    for case in cases:
+        what = f"{engine['name']} {model_info['name']} {case.label}"
+        ticker(what, 0)
+        shared: dict = {}  # the prefix cache of a prefix test, filled once and reused by its repetitions
+        for _ in range(opts.warmup):
+            _measure(case, model, timed, source, shared, gen=min(case.gen, WARMUP_GEN), depth=0)
+            ticker(what + " (warmup)")
+        samples = []
+        for _ in range(opts.repetitions):
+            samples.append(_measure(case, model, timed, source, shared))
+            ticker(what)
+        results = _prefix_results(samples) if case.kind == "prefix" else _decode_results(case, samples, weights, hardware)
+        emit(_record(case, engine, model_info, hardware, system, source, opts, results))
+        del shared
+        _free()
+
+
+def _measure(case: Case, model, timed, source: PromptSource, shared: dict, gen: int | None = None,
+             depth: int | None = None):
+    n = case.gen if gen is None else gen
+    d = case.depth if depth is None else depth
+    if case.kind == "batch":
+        rows = [source.take(d + case.prompt, stream=i) for i in range(case.batch)]
+        return measure.run_batch(model, [r[d:] for r in rows], n, [r[:d] for r in rows] if d else None)
+    tokens = source.take(case.depth + case.prompt)
+    context, prompt = tokens[:case.depth], tokens[case.depth:]
+    if case.kind == "generate":
+        return measure.run_stream(timed, model, prompt, n, context[:d] if d else ())
+    if "cache" not in shared:
+        shared["cache"] = measure.new_cache(model, context)
+    return _prefix_sample(model, timed, shared["cache"], context, prompt)
+
+
+def _prefix_sample(model, timed, cache: list, prefix: list[int], suffix: list[int]) -> tuple[float, float, int]:
+    """(cold TTFT: prefix + suffix into an empty cache, warm TTFT: suffix after the shared cached prefix, peak)."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    cold = measure.run_stream(timed, model, prefix + suffix, 1)
+    warm_times, peak = timed(suffix, 1, cache)
+    # Back to the shared prefix for the next request; this also drops the step mlx-lm may have computed ahead.
+    trim_prompt_cache(cache, cache[0].offset - len(prefix))
+    return cold.ttft, warm_times[0], max(cold.peak_memory, peak)
+
+
+def _prefix_results(samples: list[tuple[float, float, int]]) -> dict:
+    cold = summarize([s[0] for s in samples])
+    warm = summarize([s[1] for s in samples])
+    return {"ttft_cold_s": cold, "ttft_warm_s": warm,
+            "ttft_speedup": cold["mean"] / warm["mean"] if warm["mean"] > 0 else 0.0,
+            "peak_memory_bytes": max(s[2] for s in samples),
+            "samples": {"ttft_cold_s": [s[0] for s in samples], "ttft_warm_s": [s[1] for s in samples]}}
+
+
+def _decode_results(case: Case, samples: list, weights: int, hardware: dict) -> dict:
+    s0 = samples[0]
+    layers = len(s0.kv_capacity) if s0.kv_capacity else 1
+    kv_end = measure.kv_bytes(s0.kv_per_token, s0.kv_capacity, case.context_needed(), layers)
+    # Bytes one decode step reads: the weights once for the whole batch plus every sequence's KV cache, taken at
+    # the middle of the decode (the context grows by one token per step).
+    kv_mid = measure.kv_bytes(s0.kv_per_token, s0.kv_capacity, case.depth + case.prompt + case.gen / 2, layers)
+    step_bytes = weights + case.batch * kv_mid
+    bandwidth = [step_bytes * s.decode_tps / case.batch / 1e9 for s in samples]
+    peak_bw = hardware.get("bandwidth_gbps")
+    latencies = [x for s in samples for x in s.latencies]
+    bw = summarize(bandwidth)
+    return {
+        "prefill_tps": summarize([s.prefill_tps for s in samples]),
+        "decode_tps": summarize([s.decode_tps for s in samples]),
+        "decode_tps_per_sequence": summarize([s.decode_tps / case.batch for s in samples]),
+        "ttft_s": summarize([s.ttft for s in samples]),
+        "e2e_s": summarize([s.e2e for s in samples]),
+        "itl_s": summarize(latencies, percentiles=True),
+        "peak_memory_bytes": max(s.peak_memory for s in samples),
+        "kv_cache_bytes": int(kv_end * case.batch),
+        "weight_bytes_read_per_step": int(weights),
+        "decode_bytes_per_step": int(step_bytes),
+        "bandwidth_gbps": bw,
+        "bandwidth_share": bw["mean"] / peak_bw if peak_bw else None,
+        "samples": {"prefill_tps": [s.prefill_tps for s in samples], "decode_tps": [s.decode_tps for s in samples],
+                    "ttft_s": [s.ttft for s in samples], "e2e_s": [s.e2e for s in samples]},
+    }
+
+
+def _record(case, engine, model_info, hardware, system, source, opts, results) -> dict:
+    return {
+        "schema": SCHEMA,
+        "timestamp": provenance.timestamp(),
+        "test": case.label,
+        "engine": engine,
+        "model": model_info,
+        "hardware": {**hardware, "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None},
+        "os": system,
+        "workload": {"kind": case.kind, "prompt_tokens": case.prompt, "gen_tokens": case.gen, "depth": case.depth,
+                     "batch": case.batch, "prompt_source": source.label, "seed": opts.seed, "warmup": opts.warmup,
+                     "repetitions": opts.repetitions, "sampler": "greedy", "ignore_eos": True,
+                     "prefill_step": measure.PREFILL_STEP},
+        "results": results,
+    }

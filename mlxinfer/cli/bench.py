@@ -1,0 +1,171 @@
+"""``mlxinfer bench``: measure prefill, decode, TTFT, latency percentiles, memory and effective bandwidth."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from . import options as o
+
+LIST_HELP = "llama-bench syntax: 512 | 128,256 | 128-512+128 | 64-1024*2"
+
+
+def bench_cmd(
+    models: Annotated[Optional[List[str]], typer.Argument(
+        help="Models to benchmark (aliases, org/name or org/name@rev, MLX directories, .gguf files); default: the default alias."
+    )] = None,
+    n_prompt: Annotated[str, typer.Option("--n-prompt", "-p", help=f"Prompt lengths. {LIST_HELP}")] = "512",
+    n_gen: Annotated[str, typer.Option("--n-gen", "-n", help="Generation lengths (EOS ignored).")] = "128",
+    n_depth: Annotated[str, typer.Option("--n-depth", "-d", help="Context depths already in the KV cache.")] = "0",
+    batch: Annotated[Optional[str], typer.Option(
+        "--batch", "-b", help="Batch sizes: aggregate decode tok/s through mlx-lm's BatchGenerator, e.g. 1,2,4,8."
+    )] = None,
+    prefix_cache: Annotated[Optional[str], typer.Option(
+        "--prefix-cache", help="Shared-prefix lengths: TTFT of each prompt with a cold cache vs the prefix cached."
+    )] = None,
+    repetitions: Annotated[int, typer.Option("--repetitions", "-r", help="Timed runs per test.")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs per test before timing.")] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt tokens.")] = 0,
+    prompt_file: Annotated[Optional[Path], typer.Option(
+        "--prompt-file", help="Use this text's tokens (cycled) instead of random tokens."
+    )] = None,
+    output: Annotated[Optional[str], typer.Option(
+        "--output", "-o", help="md | csv | json | jsonl to stdout, or a file path ending in one of those."
+    )] = None,
+    compare: Annotated[Optional[Path], typer.Option(
+        "--compare", help="A saved -o json run: print ratios of this run against it."
+    )] = None,
+    peer: Annotated[Optional[str], typer.Option(
+        "--peer", help="Also run the same workload through another engine (mlx-lm) and print ratios."
+    )] = None,
+    bandwidth: Annotated[Optional[float], typer.Option(
+        "--bandwidth", help="Peak memory bandwidth in GB/s (default: Apple's table, or a cached copy probe)."
+    )] = None,
+    kernels: o.Kernels = "auto",
+):
+    """Benchmark local inference: prefill and decode separately, TTFT, per-token latency, memory, bandwidth."""
+    from ..bench import report
+    from ..bench.runner import BenchOptions, run_bench
+    from ..bench.workload import parse_int_list
+    from ..registry import Registry
+
+    # Everything the user typed is checked here, before any model is loaded or any run starts.
+    opts = BenchOptions(
+        prompts=parse_int_list(n_prompt, "prompt length"), gens=parse_int_list(n_gen, "generation length"),
+        depths=parse_int_list(n_depth, "depth", minimum=0),
+        batches=parse_int_list(batch, "batch size") if batch is not None else None,
+        prefixes=parse_int_list(prefix_cache, "prefix length") if prefix_cache is not None else [],
+        repetitions=repetitions, warmup=warmup, seed=seed, prompt_file=prompt_file, peer=peer, kernels=kernels,
+        bandwidth_gbps=bandwidth,
+    ).validate()
+    fmt, out_path = report.output_target(output)
+    baseline = report.load_baseline(compare) if compare is not None else None
+    registry = Registry.load()
+    specs = [registry.resolve(m) for m in (models or [None])]
+
+    stream_jsonl = fmt == "jsonl" and out_path is None
+    on_record = (lambda r: (sys.stdout.write(report.to_jsonl([r])), sys.stdout.flush())) if stream_jsonl else None
+    with _progress() as (progress, load):
+        records = run_bench(specs, opts, load=load, progress=progress, on_record=on_record)
+
+    if fmt is not None and out_path is None:
+        if not stream_jsonl:
+            sys.stdout.write(report.render(records, fmt, baseline))
+        return
+    if out_path is not None:
+        report.write_atomic(out_path, report.render(records, fmt, baseline))
+    if sys.stdout.isatty():
+        _print_rich(records, baseline, saved=out_path)
+    elif out_path is None:
+        sys.stdout.write(report.to_markdown(records, baseline))
+
+
+class _progress:
+    """A Rich progress bar on stderr (only on a terminal) driving both model loading and the benchmark."""
+
+    def __enter__(self):
+        from ..engine.loader import load
+        from ..ui.progress import stderr_console
+
+        console = stderr_console()
+        self.bar = None
+        if console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                console=console, transient=True)
+            self.bar.start()
+        tasks: dict[str, int] = {}
+
+        def progress(what: str, done: int, total: int) -> None:
+            if self.bar is not None:
+                if "bench" not in tasks:
+                    tasks["bench"] = self.bar.add_task(what, total=total)
+                self.bar.update(tasks["bench"], description=what, completed=done, total=total)
+
+        def load_progress(stage: str, done: int, total: int) -> None:
+            if self.bar is not None:
+                if stage not in tasks:
+                    tasks[stage] = self.bar.add_task(stage.capitalize(), total=max(total, 1))
+                self.bar.update(tasks[stage], completed=done, total=max(total, 1))
+                if done >= total:
+                    self.bar.remove_task(tasks.pop(stage))
+
+        def load_model(spec, kernels):
+            try:
+                return load(spec, kernels=kernels, progress=load_progress)
+            finally:
+                for stage in [k for k in tasks if k != "bench"]:
+                    if self.bar is not None:
+                        self.bar.remove_task(tasks.pop(stage))
+
+        return progress, load_model
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False
+
+
+def _print_rich(records: list[dict], baseline, saved: Path | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..bench import report
+
+    console = Console(highlight=False)
+
+    def table(title, columns, rows, numeric_from: int):
+        t = Table(title=title, title_justify="left", header_style="bold")
+        for i, c in enumerate(columns):
+            t.add_column(c, justify="right" if i >= numeric_from else "left")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+
+    for line in report.provenance_lines(records):
+        console.print(line, style="dim", markup=False)
+    columns, rows = report.summary_table(records, compact=True)
+    table(None, columns, rows, columns.index("test") + 1)
+    peer = report.peer_rows(records)
+    if peer:
+        table("mlxinfer vs mlx-lm (ratio = mlxinfer / mlx-lm)", report.PEER_COLUMNS, peer, 3)
+    if baseline is not None:
+        rows = report.compare_rows(records, baseline)
+        if rows:
+            table("against the baseline (ratio = this run / baseline)", report.COMPARE_COLUMNS, rows, 4)
+        else:
+            console.print("no test in the baseline matches this run's tests", style="yellow")
+    for line in report.depth_chart(records):
+        console.print(line, markup=False)
+    if saved is not None:
+        console.print(f"saved {len(records)} records to {saved}", style="dim", markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench", help="Benchmark models: prefill/decode tok/s, TTFT, latency percentiles, memory, bandwidth.")(
+        bench_cmd
+    )
