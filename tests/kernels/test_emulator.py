@@ -1,0 +1,26 @@
+"""Every kernel, on the CPU emulator of Metal's execution model, against its float32 twin and MLX's built-in."""
+
+from __future__ import annotations
+
+import pytest
+
+import kernel_cases as kc
+from mlxinfer.kernels.build import Recorder
+from mlxinfer.kernels.emulator import Emulator
+
+pytestmark = pytest.mark.slow  # compiles the generated kernels with g++ (once; cached by content hash)
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    emu, recorder = Emulator(), Recorder()
+    for p in kc.ALL:  # record every launch first so all kernel instances compile in one g++ run
+        run_case, case, _ = p.values
+        run_case(case, recorder)
+    emu.prepare(recorder.launches)
+    return emu
+
+
+@pytest.mark.parametrize("run_case, case, dtype", kc.ALL)
+def test_kernel_on_emulator(emulator, run_case, case, dtype):
+    kc.check(run_case(case, emulator), dtype)
