@@ -7,7 +7,9 @@ tokenizer files are fetched: pickle weights are never loaded and remote code (``
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import logging
 import os
 import threading
 from pathlib import Path
@@ -58,6 +60,22 @@ def _token() -> str | None:
         return saved.read_text().strip() or None
     except OSError:
         return None
+
+
+@contextlib.contextmanager
+def _quiet_hub_logs():
+    """Silence huggingface_hub's own warnings (retries, resumes) so a failure surfaces as one MlxinferError line;
+    MLXINFER_DEBUG=1 keeps them."""
+    if os.environ.get("MLXINFER_DEBUG"):
+        yield
+        return
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _label(repo: str, revision: str | None) -> str:
@@ -340,7 +358,8 @@ def download_model(repo: str, revision: str | None = None, *, progress: Progress
     _check_listing(repo, revision, [s.rfilename for s in siblings])
     tracker = _ByteProgress(progress, sum(s.size or 0 for s in siblings if _wanted(s.rfilename)))
     try:
-        path = _snapshot(repo, revision, tqdm_class=tracker.bar_class(), max_workers=4)
+        with _quiet_hub_logs():
+            path = _snapshot(repo, revision, tqdm_class=tracker.bar_class(), max_workers=4)
     except MlxinferError:
         raise
     except Exception as e:  # noqa: BLE001 - _translate re-raises anything that is not a Hub/network/disk error

@@ -37,6 +37,7 @@ class FakeRepo:
     gated: bool = False                                        # files need the token below
     token: str = "hf_fake_token"
     missing: set[str] = field(default_factory=set)            # listed by the API, 404 on download
+    dropped: set[str] = field(default_factory=set)            # the connection dies halfway through the body
 
     def commit_for(self, rev: str) -> str | None:
         if rev in self.revisions:
@@ -65,6 +66,7 @@ class FakeHub:
         revisions: tuple[str, ...] = ("main",),
         gated: bool = False,
         missing: tuple[str, ...] = (),
+        dropped: tuple[str, ...] = (),
     ) -> FakeRepo:
         data = {name: (p.read_bytes() if isinstance(p, Path) else p) for name, p in files.items()}
         digest = hashlib.sha1(repo_id.encode())
@@ -72,7 +74,7 @@ class FakeHub:
             digest.update(name.encode() + b"\0" + data[name])
         # Each named revision gets its own (fake) commit hash; the content is the same.
         commits = {rev: hashlib.sha1(f"{digest.hexdigest()}:{rev}".encode()).hexdigest() for rev in revisions}
-        repo = FakeRepo(files=data, revisions=commits, gated=gated, missing=set(missing))
+        repo = FakeRepo(files=data, revisions=commits, gated=gated, missing=set(missing), dropped=set(dropped))
         self.repos[repo_id] = repo
         return repo
 
@@ -228,6 +230,16 @@ class _Handler(BaseHTTPRequestHandler):
             start = int(rng[6:].split("-")[0] or 0)
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
             data, status = data[start:], 206
+        if filename in repo.dropped and not head:
+            self.send_response(status)
+            for k, v in {**headers, "Content-Length": str(len(data))}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+            return
         self._send(status, data, headers, head)
 
 

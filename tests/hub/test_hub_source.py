@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -115,6 +116,15 @@ def test_file_listed_but_missing(fake_hub, tiny_model_dir):
     with pytest.raises(DownloadError, match=r"org/broken: file 'tokenizer.json' is listed by the Hub but cannot be"):
         download_model("org/broken")
     assert cached_path("org/broken") is None  # the partial snapshot never counts as on disk
+
+
+def test_connection_lost_mid_download_is_one_quiet_error(fake_hub, tiny_model_dir, caplog):
+    fake_hub.add_model_dir("org/flaky", tiny_model_dir, dropped=("model.safetensors",))
+    with pytest.raises(DownloadError, match=r"download of org/flaky failed: the Hub cannot be reached \(.*\)"):
+        download_model("org/flaky")  # huggingface_hub retries with resume a few times first (~5 s)
+    # Its "Trying to resume download..." warnings would reach the terminal through its own stderr handler.
+    assert not [r for r in caplog.records if r.name.startswith("huggingface_hub") and r.levelno >= logging.WARNING]
+    assert cached_path("org/flaky") is None
 
 
 def test_pickle_only_repo_is_refused_before_download(fake_hub):
