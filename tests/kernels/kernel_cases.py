@@ -9,7 +9,9 @@ dtype, which would swamp the comparison.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx_lm.models import llama
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
 
@@ -147,3 +149,17 @@ ALL = [
 ] + [
     pytest.param(run_quantized_sdpa, c, c[6], id="qsdpa-" + i) for c, i in zip(QSDPA, ids(QSDPA))
 ]
+
+
+def tiny_llama(seed: int = 0, hidden: int = 128, intermediate: int = 256, group_size: int = 32) -> nn.Module:
+    """A 2-layer random-weight 4-bit mlx-lm llama (GQA 2, vocab 300: N not a multiple of 8)."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=2, intermediate_size=intermediate,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    nn.quantize(model, group_size=group_size, bits=4)
+    mx.eval(model.parameters())
+    return model

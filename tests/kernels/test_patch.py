@@ -11,22 +11,10 @@ import pytest
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.models import llama
 
+from kernel_cases import tiny_llama
 from mlxinfer.errors import InvalidParameter, MlxinferError
 from mlxinfer.kernels import patch
 from mlxinfer.kernels.patch import KernelQuantizedLinear, apply_kernels
-
-
-def tiny_llama(seed: int = 0) -> nn.Module:
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300,
-        rope_theta=10000.0, tie_word_embeddings=False,
-    )
-    model = llama.Model(args)
-    nn.quantize(model, group_size=32, bits=4)
-    mx.eval(model.parameters())
-    return model
 
 
 class CountingProvider:

@@ -1,0 +1,59 @@
+"""A whole mlx-lm model decoding through the custom kernels (run on the CPU emulator) gives the built-in's tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import base, llama
+
+from kernel_cases import tiny_llama
+from mlxinfer.kernels import patch
+from mlxinfer.kernels.emulator import Emulator
+from mlxinfer.kernels.gpu import GpuKernels
+
+pytestmark = pytest.mark.slow  # compiles the generated kernels with g++
+
+
+class CountingRunner:
+    def __init__(self, run):
+        self.run, self.kernels = run, []
+
+    def __call__(self, launch):
+        self.kernels.append(launch.kernel)
+        return self.run(launch)
+
+
+@pytest.fixture
+def emulated_metal(monkeypatch):
+    runner = CountingRunner(Emulator())
+    provider = GpuKernels("metal", run=runner, name="metal-emulated")
+    monkeypatch.setattr(patch, "select_provider", lambda name=None: (provider, "emulated on the CPU"))
+    yield runner
+    llama.scaled_dot_product_attention = base.scaled_dot_product_attention  # even if the test failed midway
+    patch._ORIGINAL_SDPA.clear()
+
+
+def greedy(model, prompt, n, **kw):
+    tokens, logits = [], []
+    for tok, logprobs in generate_step(mx.array(prompt), model, max_tokens=n, **kw):
+        tokens.append(int(tok))
+        logits.append(logprobs)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8], ids=["float-cache", "quantized-cache"])
+def test_greedy_tokens_match_builtin(emulated_metal, kv_bits):
+    model = tiny_llama(3, hidden=256, intermediate=320, group_size=64)  # head dim 64
+    prompt = [5, 17, 42, 99, 7, 3]
+    kw = {} if kv_bits is None else {"kv_bits": kv_bits, "kv_group_size": 32, "quantized_kv_start": 0}
+    want, want_logits = greedy(model, prompt, 10, **kw)
+    report = patch.apply_kernels(model, "custom")
+    assert report.name == "metal-emulated"
+    got, got_logits = greedy(model, prompt, 10, **kw)
+    patch.apply_kernels(model, "builtin")
+    assert got == want
+    assert max(mx.abs(a - b).max().item() for a, b in zip(got_logits, want_logits)) < 1e-3
+    used = set(emulated_metal.kernels)
+    assert {"qmv", "swiglu"} <= used
+    assert ("sdpa_quant" if kv_bits else "sdpa_decode") in used
