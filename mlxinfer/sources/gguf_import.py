@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import InvalidModel
 from .gguf_file import GgufTensor, read_gguf
-from .gguf_tokenizer import write_tokenizer
+from .gguf_tokenizer import check_tokenizer, write_tokenizer
 
 IMPORT_VERSION = 2
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -184,6 +184,26 @@ def _llm_config(meta: dict, arch: str, has_output: bool) -> dict:
     return config
 
 
+def _llama3_rope_scaling(factors: np.ndarray, base: float, head_dim: int) -> dict:
+    """Llama 3.x GGUFs carry their RoPE scaling as a per-frequency factor tensor (``rope_freqs``); recover the
+    ``llama3`` rope_scaling parameters that llama.cpp's converter computed it from (it uses this formula)."""
+    wavelen = 2 * np.pi * base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = float(factors.max())
+    for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
+        for low in (1.0, 2.0, 0.5):
+            for high in (4.0, 2.0, 8.0, 1.0):
+                if high <= low:
+                    continue
+                smooth = (orig / wavelen - low) / (high - low)
+                expected = np.where(wavelen < orig / high, 1.0, np.where(
+                    wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+                if np.allclose(expected, factors, rtol=1e-4, atol=1e-6):
+                    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                            "high_freq_factor": high, "original_max_position_embeddings": orig}
+    raise InvalidModel("the GGUF's rope_freqs factors do not follow the Llama 3 RoPE scaling rule",
+                       hint="this RoPE scaling is not supported yet")
+
+
 def _generation_config(meta: dict) -> dict:
     """BOS and the end-of-generation ids: EOS plus EOT/EOM when the GGUF names them (e.g. <|eot_id|>)."""
     gen: dict[str, Any] = {}
@@ -268,6 +288,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
         if t.kind not in _EXACT and t.kind not in _FLOAT and t.kind not in _REQUANT_BITS:
             raise InvalidModel(f"{path.name}: unsupported GGUF tensor type {t.kind} in '{t.name}'",
                                hint="re-export the model as Q8_0, Q4_0, Q4_K or F16")
+    check_tokenizer(g.meta)  # before the slow part
     names = {t.name for t in g.tensors}
     config = _llm_config(g.meta, arch, has_output="output.weight" in names)
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -279,8 +300,11 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
             progress("import", i, len(g.tensors))
         hf = _hf_name(t.name)
         if hf is None:
-            if t.name.startswith("rope_freqs"):
-                continue  # recomputed by mlx-lm from the config
+            if t.name == "rope_freqs.weight" and t.kind == "F32":
+                # mlx-lm recomputes these factors from config.json's rope_scaling
+                config["rope_scaling"] = _llama3_rope_scaling(
+                    t.data.view(np.float32), config["rope_theta"], config["head_dim"])
+                continue
             raise InvalidModel(f"{path.name}: unknown tensor '{t.name}' for architecture '{arch}'")
         prefix, suffix = hf.rsplit(".", 1)
         perm = None

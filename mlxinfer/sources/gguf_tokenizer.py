@@ -190,17 +190,25 @@ def _token(meta: dict, key: str) -> str | None:
     return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
 
-def write_tokenizer(meta: dict[str, Any], out_dir: Path, *, context_length: int | None = None) -> dict:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the tokenizer config.
-
-    ``meta`` holds plain Python values (str, int, bool, lists) for the ``tokenizer.*`` GGUF keys.
-    """
+def check_tokenizer(meta: dict[str, Any]) -> None:
+    """Raise ``InvalidModel`` unless ``write_tokenizer`` can rebuild this GGUF's tokenizer."""
     model = meta.get("tokenizer.ggml.model")
     if model not in SUPPORTED_MODELS:
         raise InvalidModel(f"unsupported GGUF tokenizer model '{model}'",
                            hint="mlxinfer imports byte-level BPE ('gpt2') and SentencePiece ('llama') vocabularies")
     if not meta.get("tokenizer.ggml.tokens"):
         raise InvalidModel("the GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    if model == "gpt2":
+        _pre_kind(meta.get("tokenizer.ggml.pre"))
+
+
+def write_tokenizer(meta: dict[str, Any], out_dir: Path, *, context_length: int | None = None) -> dict:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return the tokenizer config.
+
+    ``meta`` holds plain Python values (str, int, bool, lists) for the ``tokenizer.*`` GGUF keys.
+    """
+    check_tokenizer(meta)
+    model = meta["tokenizer.ggml.model"]
     if model == "gpt2":
         _, _, add_bos, clean = _pre_kind(meta.get("tokenizer.ggml.pre"))
     else:

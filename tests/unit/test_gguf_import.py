@@ -84,7 +84,8 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype=QT.F32, *, arch: str = "llama",
-               types: dict[str, object] | None = None, permute: bool = True) -> Path:
+               types: dict[str, object] | None = None, permute: bool = True,
+               extra: dict[str, np.ndarray] | None = None) -> Path:
     """A llama GGUF like llama.cpp writes it: Q/K permuted, 2-D weights in ``qtype``, norms F32."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("Tiny Test Llama")
@@ -120,6 +121,8 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype=QT.F32, *, arch
             w.add_tensor(gguf_name(hf), arr.astype(np.int32))
         else:
             w.add_tensor(gguf_name(hf), gguf.quants.quantize(arr, t), raw_dtype=t)
+    for name, arr in (extra or {}).items():
+        w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -197,20 +200,27 @@ def _logits(model, tokens: list[int]) -> np.ndarray:
     return np.array(model(mx.array([tokens]))[0].astype(mx.float32))
 
 
-def test_qk_unpermutation_gives_the_original_logits(tmp_path, monkeypatch):
+def original_model(weights: dict[str, np.ndarray], rope_scaling: dict | None = None):
+    """The same tiny llama built by mlx-lm itself from Hugging Face-layout weights."""
     from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm import load
     from mlx_lm.models import llama
 
     args = llama.ModelArgs(
         model_type="llama", hidden_size=HIDDEN, num_hidden_layers=LAYERS, intermediate_size=FFN,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5, vocab_size=VOCAB,
-        rope_theta=10000.0, head_dim=HEAD_DIM, tie_word_embeddings=False, max_position_embeddings=128)
-    original = llama.Model(args)
-    weights = hf_weights(seed=3)
-    original.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
-    assert {k for k, _ in tree_flatten(original.parameters())} == set(weights)
+        rope_theta=10000.0, head_dim=HEAD_DIM, tie_word_embeddings=False, max_position_embeddings=128,
+        rope_scaling=rope_scaling)
+    model = llama.Model(args)
+    model.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
+    assert {k for k, _ in tree_flatten(model.parameters())} == set(weights)
+    return model
 
+
+def test_qk_unpermutation_gives_the_original_logits(tmp_path, monkeypatch):
+    from mlx_lm import load
+
+    weights = hf_weights(seed=3)
+    original = original_model(weights)
     model_dir = import_gguf(write_gguf(tmp_path / "m.gguf", weights, QT.F32))
     imported, _ = load(str(model_dir))
     tokens = [5, 17, 200, 3, 99, 42, 7, 250]
@@ -222,6 +232,44 @@ def test_qk_unpermutation_gives_the_original_logits(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_import, "IMPORT_VERSION", 999)
     wrong, _ = load(str(import_gguf(tmp_path / "m.gguf")))
     assert np.abs(_logits(wrong, tokens) - expected).max() > 1e-2
+
+
+def llama3_rope_factors(factor=32.0, low=1.0, high=4.0, orig=8192, base=10000.0) -> np.ndarray:
+    """The ``rope_freqs`` tensor as llama.cpp's convert_hf_to_gguf.py computes it for Llama 3.x."""
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, HEAD_DIM, 2, dtype=np.float32) / HEAD_DIM)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    from mlx_lm import load
+
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    factors = llama3_rope_factors()
+    # all three regions of the rule occur at this head_dim: kept, interpolated, fully scaled
+    assert (factors == 1).any() and (factors == 32).any() and ((factors > 1) & (factors < 32)).any()
+    weights = hf_weights(seed=4)
+    path = write_gguf(tmp_path / "m.gguf", weights, QT.F32, extra={"rope_freqs.weight": factors})
+    model_dir = import_gguf(path)
+    assert json.loads((model_dir / "config.json").read_text())["rope_scaling"] == scaling
+    imported, _ = load(str(model_dir))
+    tokens = list(range(3, 3 + 40))
+    expected = _logits(original_model(weights, scaling), tokens)
+    np.testing.assert_allclose(_logits(imported, tokens), expected, rtol=1e-4, atol=1e-4)
+    assert np.abs(_logits(original_model(weights), tokens) - expected).max() > 1e-3  # the scaling matters
+
+    bad = write_gguf(tmp_path / "bad.gguf", weights, QT.F32, extra={"rope_freqs.weight": factors[::-1].copy()})
+    with pytest.raises(InvalidModel, match="rope_freqs"):
+        import_gguf(bad)
 
 
 def test_config_metadata_tokenizer_and_mlx_lm_load(tmp_path):
