@@ -96,13 +96,13 @@ def check_model_dir(path: Path) -> None:
     """Fail early, with one clear line, on directories mlx-lm could not load."""
     if not (path / "config.json").is_file():
         raise InvalidModel(f"{path} has no config.json", hint="give an MLX model directory, a .gguf file or a Hub repo")
-    if not list(path.glob("*.safetensors")):
+    if not list(path.glob("model*.safetensors")):  # what mlx-lm's load_model reads
         if any(p.suffix in _PICKLE_SUFFIXES for p in path.iterdir()):
             raise InvalidModel(
                 f"{path} has only pickle weights, which mlxinfer never loads",
                 hint="convert a safetensors source with 'mlxinfer convert'",
             )
-        raise InvalidModel(f"{path} has no *.safetensors weights", hint="the download may be incomplete")
+        raise InvalidModel(f"{path} has no model*.safetensors weights", hint="the download may be incomplete")
     try:
         json.loads((path / "config.json").read_text())
     except ValueError as e:

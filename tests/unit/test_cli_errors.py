@@ -58,7 +58,7 @@ def test_directory_without_config(tmp_path):
 
 def test_directory_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert_one_line_error(run("generate", str(tmp_path), "-p", "hi"), "no *.safetensors")
+    assert_one_line_error(run("generate", str(tmp_path), "-p", "hi"), "no model*.safetensors")
 
 
 def test_pickle_only_directory_is_refused(tmp_path):
