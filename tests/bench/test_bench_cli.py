@@ -1,0 +1,101 @@
+"""``mlxinfer bench`` through the CLI entry point: bad input is refused before anything runs, and short real runs
+on the bundled SmolLM2 model produce complete, parseable records. Speeds are never asserted."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from mlxinfer.bench.runner import PROVENANCE
+from mlxinfer.cli.main import main
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything tries to load a model (bad input must be caught first)."""
+    import mlxinfer.engine.loader as loader
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(loader, "load", refuse)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["nosuchmodel"], "unknown model 'nosuchmodel'"),
+    (["-p", "0"], "invalid prompt length 0"),
+    (["-n", "-3"], "invalid generation length -3"),
+    (["-p", "16,abc"], "cannot read prompt length value 'abc'"),
+    (["-b", "0"], "invalid batch size 0"),
+    (["-r", "0"], "invalid repetitions 0"),
+    (["--peer", "llama.cpp"], "unknown peer 'llama.cpp'"),
+    (["--bandwidth", "-1"], "invalid bandwidth"),
+    (["-o", "/nonexistent-dir/out.json"], "folder /nonexistent-dir does not exist"),
+    (["-o", "out.txt"], "unknown output 'out.txt'"),
+    (["--compare", "/nonexistent-dir/base.json"], "cannot read baseline"),
+    (["--prompt-file", "/nonexistent-dir/p.txt"], "prompt file /nonexistent-dir/p.txt does not exist"),
+    (["-d", "9000", "-p", "16", "-n", "8"], "pp16+tg8 @ d9000 needs 9024 tokens of context but smollm2 holds 8192"),
+])
+def test_bad_input_is_one_clear_error_before_any_run(args, needle, capsys, no_loading, smollm2_dir):
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def _check_record(r: dict) -> None:
+    for section, names in PROVENANCE.items():
+        assert not [n for n in names if n not in r[section]], section
+    m, e, h = r["model"], r["engine"], r["hardware"]
+    assert m["name"] == "smollm2" and m["params"] > 100_000_000 and m["bits"] == 4 and m["group_size"] == 32
+    assert m["revision"].startswith("sha256:") and m["weight_bytes"] > 0 and m["context_length"] == 8192
+    assert e["mlx"] and e["mlx_lm"] and e["backend"] in ("cpu", "metal", "cuda") and e["kernels"]
+    assert h["cpu_cores"] >= 1 and h["memory_bytes"] > 0 and h["bandwidth_gbps"] == 50.0
+
+
+@pytest.mark.slow
+def test_short_real_run_writes_json_then_compares(tmp_path, capsys, smollm2_dir):
+    out = tmp_path / "run.json"
+    assert main(["bench", "smollm2", "-p", "16", "-n", "8", "-r", "1", "--bandwidth", "50", "-o", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert len(records) == 1
+    r = records[0]
+    _check_record(r)
+    assert r["engine"]["name"] == "mlxinfer" and r["test"] == "pp16+tg8"
+    assert r["workload"] | {} == {**r["workload"], "prompt_tokens": 16, "gen_tokens": 8, "warmup": 1,
+                                  "repetitions": 1, "ignore_eos": True}
+    res = r["results"]
+    assert res["itl_s"]["n"] == 7 and res["itl_s"]["p50"] <= res["itl_s"]["p95"] <= res["itl_s"]["p99"]
+    assert res["decode_tps"]["mean"] > 0 and res["prefill_tps"]["mean"] > 0 and res["peak_memory_bytes"] > 0
+    assert res["ttft_s"]["mean"] <= res["e2e_s"]["mean"]
+    capsys.readouterr()
+
+    # Same workload again, compared against the saved run; stdout is not a terminal, so Markdown comes out.
+    assert main(["bench", "-p", "16", "-n", "8", "-r", "1", "--warmup", "0", "--bandwidth", "50",
+                 "--compare", str(out)]) == 0
+    md = capsys.readouterr().out
+    assert "| smollm2 |" in md and "against the baseline" in md and "| smollm2 | pp16+tg8 | mlxinfer" in md
+
+
+@pytest.mark.slow
+def test_sweep_with_batches_depths_prefix_and_mlx_lm_peer(tmp_path, capsys, smollm2_dir):
+    out = tmp_path / "sweep.csv"
+    args = ["bench", "-p", "4", "-n", "3", "-d", "0,8", "-b", "1,2", "--prefix-cache", "8", "--peer", "mlx-lm",
+            "-r", "1", "--warmup", "0", "--bandwidth", "50", "-o", str(out)]
+    assert main(args) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 2 * (2 * 2 + 1)  # engines × (depths × batches + prefix)
+    for engine in ("mlxinfer", "mlx-lm"):
+        mine = [r for r in rows if r["engine.name"] == engine]
+        batch = {(int(r["workload.depth"]), int(r["workload.batch"])): r for r in mine if r["workload.kind"] == "batch"}
+        assert sorted(batch) == [(0, 1), (0, 2), (8, 1), (8, 2)]
+        for r in batch.values():  # aggregate decode tok/s per batch size
+            assert float(r["results.decode_tps.mean"]) > 0
+            assert float(r["results.decode_tps_per_sequence.mean"]) == pytest.approx(
+                float(r["results.decode_tps.mean"]) / int(r["workload.batch"]))
+        prefix = [r for r in mine if r["workload.kind"] == "prefix"][0]
+        assert prefix["test"] == "prefix8+pp4" and float(prefix["results.ttft_warm_s.mean"]) > 0
+    # mlx-lm keeps its own dtype; mlxinfer's record says what it ran in.
+    assert {r["model.dtype"] for r in rows if r["engine.name"] == "mlx-lm"} == {"float16"}
+    assert all(r["model.path"] == rows[0]["model.path"] for r in rows)
