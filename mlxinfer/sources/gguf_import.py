@@ -217,14 +217,20 @@ def _generation_config(meta: dict) -> dict:
     return gen
 
 
-def _file_type_name(value) -> str | None:
-    if value is None:
-        return None
-    try:
-        import gguf
+# general.file_type names for the common files (no ``gguf`` import needed on the fast path)
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+               12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+               32: "BF16"}
 
-        return gguf.LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
-    except (ImportError, ValueError):
+
+def _file_type_name(value: int) -> str:
+    if value in _FILE_TYPES:
+        return _FILE_TYPES[value]
+    import gguf
+
+    try:
+        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
+    except ValueError:
         return str(value)
 
 
@@ -236,7 +242,7 @@ def _header_info(meta: dict, path: Path) -> dict:
             info[key] = meta[f"general.{key}"]
     if meta.get("general.file_type") is not None:
         info["file_type"] = int(meta["general.file_type"])
-        info["file_type_name"] = _file_type_name(meta["general.file_type"])
+        info["file_type_name"] = _file_type_name(int(meta["general.file_type"]))
     return info
 
 

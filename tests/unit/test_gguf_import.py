@@ -72,20 +72,21 @@ def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
 
 _TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+            "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def gguf_name(hf: str) -> str:
-    base = hf.removesuffix(".weight")
+    base, suffix = hf.rsplit(".", 1)
     if base.startswith("model.layers."):
         _, _, layer, part = base.split(".", 3)
-        return f"blk.{layer}.{_TO_GGUF[part]}.weight"
-    return {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[base] + ".weight"
+        return f"blk.{layer}.{_TO_GGUF[part]}.{suffix}"
+    return {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[base] + "." + suffix
 
 
 def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype=QT.F32, *, arch: str = "llama",
                types: dict[str, object] | None = None, permute: bool = True,
-               extra: dict[str, np.ndarray] | None = None) -> Path:
+               extra: dict[str, np.ndarray] | None = None, rope_theta: float = 10000.0) -> Path:
     """A llama GGUF like llama.cpp writes it: Q/K permuted, 2-D weights in ``qtype``, norms F32."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("Tiny Test Llama")
@@ -98,7 +99,7 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype=QT.F32, *, arch
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_theta)
     tokens, toktypes, merges = tiny_vocab()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -214,6 +215,31 @@ def original_model(weights: dict[str, np.ndarray], rope_scaling: dict | None = N
     model.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
     assert {k for k, _ in tree_flatten(model.parameters())} == set(weights)
     return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_architectures_give_the_original_logits(tmp_path, arch):
+    """No Q/K permutation for these; qwen2 has q/k/v biases, qwen3 q/k RMSNorms and tied embeddings."""
+    import importlib
+
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm import load
+
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    fields = dict(model_type=arch, hidden_size=HIDDEN, num_hidden_layers=LAYERS, intermediate_size=FFN,
+                  num_attention_heads=HEADS, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=KV_HEADS,
+                  max_position_embeddings=128, rope_theta=1e6, tie_word_embeddings=True)
+    if arch == "qwen3":
+        fields["head_dim"] = HEAD_DIM
+    original = module.Model(module.ModelArgs(**fields))
+    rng = np.random.default_rng(5)
+    weights = {k: rng.normal(1.0 if "norm" in k else 0.0, 0.1, v.shape).astype(np.float32)
+               for k, v in tree_flatten(original.parameters())}
+    original.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
+    path = write_gguf(tmp_path / "m.gguf", weights, QT.F32, arch=arch, permute=False, rope_theta=1e6)
+    imported, _ = load(str(import_gguf(path)))
+    tokens = [5, 17, 200, 3, 99, 42, 7, 250]
+    np.testing.assert_allclose(_logits(imported, tokens), _logits(original, tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_qk_unpermutation_gives_the_original_logits(tmp_path, monkeypatch):
