@@ -1,0 +1,122 @@
+"""The converted model's README card and its alias in the user's models.toml."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from ..errors import ConfigError, InvalidParameter
+
+_ALIAS_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def model_card(meta: dict, quality_rows: list[tuple[str, str]] | None) -> str:
+    """Markdown with a Hugging Face front matter block (library_name: mlx) and the conversion facts."""
+    src = meta["source"]
+    front = ["---", "library_name: mlx", "pipeline_tag: text-generation", "tags:", "- mlx", "- mlxinfer"]
+    if meta.get("repo"):
+        front.append(f"base_model: {meta['repo']}")
+    front.append("---")
+    lines = [
+        *front, "",
+        f"# {meta['name']}", "",
+        f"Converted to MLX by mlxinfer {meta['mlxinfer_version']} on {meta['date']}.", "",
+        "| | |", "|---|---|",
+        f"| Source | `{src}` |",
+        f"| Revision | `{meta.get('revision') or 'n/a'}` |",
+        f"| Recipe | {meta['recipe']} |",
+        f"| Unquantized tensors | {meta.get('dtype') or 'as in the source'} |",
+        f"| Parameters | {meta['parameters']:,} |",
+        f"| Size | {meta['size_before']:,} bytes → {meta['size_after']:,} bytes |",
+        f"| Bits per weight | {meta['bits_per_weight']:.2f} |",
+        "",
+    ]
+    if quality_rows:
+        lines += [
+            "## Quality against the source", "",
+            "Next-token distributions of this model vs. the source model on mlxinfer's built-in text sample.", "",
+            "| Metric | Value |", "|---|---|",
+            *[f"| {k} | {v} |" for k, v in quality_rows], "",
+        ]
+    else:
+        lines += ["## Quality against the source", "", "Not measured (run convert with --eval).", ""]
+    lines += [
+        "## Use", "",
+        "```bash",
+        f"mlxinfer chat {meta.get('out_dir', '.')}",
+        "```", "",
+        "```python",
+        "from mlx_lm import load, generate",
+        f"model, tokenizer = load({str(meta.get('out_dir', '.'))!r})",
+        "```", "",
+    ]
+    return "\n".join(lines)
+
+
+def check_alias(name: str) -> None:
+    if not _ALIAS_RE.match(name):
+        raise InvalidParameter(f"alias '{name}' may only use letters, digits, '-' and '_'")
+
+
+def _remove_table(text: str, alias: str) -> str:
+    """Drop the ``[models.ALIAS]`` table (header to the next table header) from TOML text."""
+    header = re.compile(rf'^\s*\[\s*models\s*\.\s*("{re.escape(alias)}"|{re.escape(alias)})\s*\]\s*(#.*)?$')
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        if header.match(line):
+            skipping = True
+            continue
+        if skipping and re.match(r"^\s*\[", line):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "".join(out)
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def add_alias(name: str, path: Path, *, description: str = "", quant: str = "", replace: bool = False,
+              user_file: Path | None = None) -> Path:
+    """Append ``[models.NAME] path = ...`` to the user's models.toml (atomic; the existing text is kept).
+
+    An alias the user file already defines is only replaced with ``replace=True``; an alias from the packaged
+    registry is shadowed by the user entry only with ``replace=True`` too.
+    """
+    from ..registry import Registry, user_registry_path
+
+    check_alias(name)
+    user_file = user_file or user_registry_path()
+    text = user_file.read_text() if user_file.exists() else ""
+    registry = Registry.load(user_file)
+    if name in registry.aliases() and not replace:
+        raise InvalidParameter(f"alias '{name}' already exists (in {registry.origin(name)})",
+                               hint="pick another --alias, or add --force to replace it")
+    if replace:
+        text = _remove_table(text, name)
+    if text and not text.endswith("\n"):
+        text += "\n"
+    entry = [f"\n[models.{name}]", f"path = {_toml_str(str(Path(path).resolve()))}"]
+    if description:
+        entry.append(f"description = {_toml_str(description)}")
+    if quant:
+        entry.append(f"quant = {_toml_str(quant)}")
+    new_text = text + "\n".join(entry) + "\n"
+    user_file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=user_file.parent, prefix=f".{user_file.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(new_text)
+        try:
+            Registry.load(Path(tmp))  # never replace a working file with one the registry cannot read
+        except ConfigError as e:
+            raise ConfigError(f"adding alias '{name}' would break {user_file}: {e}") from None
+        os.replace(tmp, user_file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return user_file

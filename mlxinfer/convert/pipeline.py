@@ -1,0 +1,322 @@
+"""``convert()``: source -> lazily loaded mlx-lm model -> cast / (de)quantize -> streamed shards -> quality -> rename.
+
+Everything is written into a temporary directory next to OUT_DIR and renamed into place at the end, so an error
+or Ctrl-C leaves no partial OUT_DIR; an existing OUT_DIR is only replaced with ``force=True``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import fnmatch
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import InvalidParameter, MlxinferError
+from . import recipes as R
+from .source import SourceInfo, resolve_source
+
+Progress = Callable[[str, int, int], None]
+DTYPES = ("float16", "bfloat16", "float32")
+DEFAULT_SHARD_BYTES = 1 << 30
+# Quality check is on by default up to this many source parameters (two models run the sample).
+AUTO_EVAL_MAX_PARAMS = 4_000_000_000
+AUTO_EVAL_MAX_PARAMS_CPU = 500_000_000
+# Files copied from the source next to the weights: tokenizer, generation settings, chat template, licence.
+COPY_PATTERNS = ("*.json", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jinja", "LICENSE*")
+SKIP_FILES = {"config.json", "model.safetensors.index.json"}
+
+
+class OutputExists(MlxinferError):
+    pass
+
+
+class InsufficientDisk(MlxinferError):
+    pass
+
+
+@dataclass
+class ConvertOptions:
+    bits: int | None = None
+    group_size: int | None = None
+    mode: str | None = None
+    recipe: str | None = None          # built-in name or path of a TOML rules file
+    dtype: str | None = None           # for unquantized tensors; default: the source's torch_dtype
+    dequantize: bool = False
+    force: bool = False
+    eval: bool | None = None           # None: on for small models
+    eval_tokens: int | None = None     # None: 2048 on GPU backends, 256 on CPU
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    revision: str | None = None        # Hub sources
+    alias: str | None = None
+
+    @property
+    def quantizes(self) -> bool:
+        return bool(self.bits or self.recipe or self.mode or self.group_size)
+
+
+@dataclass
+class ConvertResult:
+    out_dir: Path
+    source: SourceInfo
+    recipe: str
+    parameters: int
+    size_before: int
+    size_after: int
+    bits_per_weight: float
+    seconds: float
+    shards: list[str]
+    quality: object | None = None      # quality.QualityReport
+    alias_file: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_recipe(opts: ConvertOptions) -> R.Recipe | None:
+    """The validated recipe, or None when nothing is quantized."""
+    if opts.dequantize and opts.quantizes:
+        raise InvalidParameter("--dequantize cannot be combined with --bits/--group-size/--mode/--recipe")
+    if not opts.quantizes:
+        return None
+    if opts.recipe:
+        recipe = R.load_recipe(opts.recipe).with_overrides(opts.bits, opts.group_size, opts.mode)
+    else:
+        recipe = R.uniform(opts.bits, opts.group_size, opts.mode)
+    R.validate(recipe)
+    return recipe
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise OutputExists(f"{out} already exists", hint="choose another -o, or add --force to replace it")
+        if not out.is_dir():
+            raise OutputExists(f"{out} exists and is not a directory", hint="remove it or choose another -o")
+
+
+def _check_disk(where: Path, need: int, what: str) -> None:
+    free = shutil.disk_usage(where).free
+    need = int(need * 1.02) + (16 << 20)
+    if free < need:
+        raise InsufficientDisk(f"not enough disk space in {where} for {what}: "
+                               f"{need / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free", hint="free space or choose another -o")
+
+
+def _eval_defaults(opts: ConvertOptions, params: int) -> tuple[bool, int]:
+    from ..engine.backend import backend
+
+    on_cpu = backend() == "cpu"
+    tokens = opts.eval_tokens or (256 if on_cpu else 2048)
+    if opts.eval is not None:
+        return opts.eval, tokens
+    # MLX's CPU matmul is slow (reference BLAS): keep the default check for models it runs in about a minute.
+    return params <= (AUTO_EVAL_MAX_PARAMS_CPU if on_cpu else AUTO_EVAL_MAX_PARAMS), tokens
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    for p in sorted(src.iterdir()):
+        if not p.is_file() or p.name in SKIP_FILES or p.name.startswith("."):
+            continue
+        if p.name.endswith((".index.json",)) or not any(fnmatch.fnmatch(p.name, pat) for pat in COPY_PATTERNS):
+            continue
+        shutil.copyfile(p, dst / p.name)
+
+
+def _source_dtype(config: dict) -> str | None:
+    for value in (config.get("torch_dtype"), config.get("dtype"), (config.get("text_config") or {}).get("dtype")):
+        if value in DTYPES:
+            return value
+    return None
+
+
+def _prepare_model(src_dir: Path, opts: ConvertOptions, recipe: R.Recipe | None, notes: list[str]):
+    """The lazily loaded, cast and (de)quantized mlx-lm model and its output config. Nothing is evaluated."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.utils import dequantize_model
+
+    from ..engine.loader import load_model_dir
+
+    model, config = load_model_dir(src_dir, lazy=True)
+    quantized_source = "quantization" in config
+    if opts.dequantize and not quantized_source:
+        raise InvalidParameter(f"--dequantize: {src_dir} is not quantized", hint="drop --dequantize")
+    if opts.dequantize or (recipe is not None and quantized_source):
+        if recipe is not None:
+            notes.append("the source was quantized: it was dequantized first, so errors add up")
+        model = dequantize_model(model)
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+
+    dtype = opts.dtype or _source_dtype(config) or ("float16" if opts.dequantize else None)
+    if dtype:
+        target = getattr(mx, dtype)
+        cast_ok = getattr(model, "cast_predicate", lambda _: True)
+
+        def cast(k, v):
+            return v.astype(target) if cast_ok(k) and mx.issubdtype(v.dtype, mx.floating) else v
+
+        model.update(tree_map_with_path(cast, model.parameters()))
+        config["torch_dtype"] = dtype
+
+    if recipe is not None:
+        config["quantization"] = apply_recipe(model, recipe)
+        config["quantization_config"] = config["quantization"]
+    return model, config, dtype
+
+
+def apply_recipe(model, recipe: R.Recipe) -> dict:
+    """Quantize ``model`` in place (lazily) with MLX's ``nn.quantize``; returns config.json's quantization section.
+
+    Like mlx-lm's ``quantize_model`` but each layer's own group size decides whether it can be quantized (a rule
+    may give a narrow layer a smaller group than the default), and a model's own ``quant_predicate`` (e.g. MoE
+    routers kept in float) still has the last word.
+    """
+    import mlx.nn as nn
+
+    d = recipe.default
+    section = d.as_dict()
+    decide = R.predicate(recipe, model)
+    model_rule = getattr(model, "quant_predicate", None)
+
+    def class_predicate(path: str, module) -> bool | dict:
+        if not hasattr(module, "to_quantized"):
+            return False
+        decision = decide(path, module)
+        if decision and model_rule is not None:
+            own = model_rule(path, module)
+            if own is False or isinstance(own, dict):
+                decision = own
+        if isinstance(decision, dict):
+            section[path] = decision
+        return decision
+
+    nn.quantize(model, d.group_size, d.bits, mode=d.mode, class_predicate=class_predicate)
+    return section
+
+
+def convert(
+    source: str,
+    out_dir: str | Path,
+    opts: ConvertOptions | None = None,
+    *,
+    progress: Progress | None = None,
+    after_tensor: Callable[[str], None] | None = None,
+) -> ConvertResult:
+    """Convert ``source`` into an MLX model directory at ``out_dir``.
+
+    ``progress(stage, done, total)`` stages: "download" (bytes), "import" (GGUF tensors), "convert" (tensors),
+    "eval" (tokens). ``after_tensor`` is a test hook called after each tensor is computed.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import get_total_parameters, save_config
+
+    from .. import __version__
+    from . import card, writer
+    from .quality import evaluate
+
+    opts = opts or ConvertOptions()
+    started = time.perf_counter()
+    out = Path(out_dir).expanduser().absolute()
+    _check_output(out, opts.force)
+    recipe = plan_recipe(opts)
+    if opts.dtype and opts.dtype not in DTYPES:
+        raise InvalidParameter(f"--dtype {opts.dtype} is not supported", hint=f"use one of {', '.join(DTYPES)}")
+    if opts.alias:
+        card.check_alias(opts.alias)
+    if opts.shard_bytes < 1:
+        raise InvalidParameter("the shard size must be positive")
+    info = resolve_source(source, revision=opts.revision, progress=progress)
+    size_before = info.size_bytes()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_disk(out.parent, size_before if info.is_gguf else 0, "the conversion")
+
+    notes: list[str] = []
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        src_dir = info.path
+        if info.is_gguf:
+            from ..sources.gguf_import import convert_gguf, imported_dir
+
+            cached = imported_dir(info.path)
+            if (cached / "config.json").exists() and (cached / "model.safetensors").exists():
+                src_dir = cached
+            else:  # import into our temp dir (removed with it) rather than filling the cache with a copy
+                src_dir = convert_gguf(info.path, tmp / "_gguf", progress=progress)
+
+        model, config, dtype = _prepare_model(src_dir, opts, recipe, notes)
+        parameters = int(get_total_parameters(model))
+        weights = dict(tree_flatten(model.parameters()))
+        # Drop the model's references: from here the dict holds the only handle on each lazy tensor.
+        model.update(tree_map(lambda _: mx.array([]), model.parameters()))
+        del model
+        _check_disk(tmp, sum(int(v.nbytes) for v in weights.values()), "the converted weights")
+        stats = writer.write_shards(weights, tmp, max_shard_bytes=opts.shard_bytes, total_parameters=parameters,
+                                    progress=progress, after_tensor=after_tensor)
+        del weights
+
+        _copy_side_files(src_dir, tmp)
+        recipe_label = (recipe.label() if recipe else
+                        "dequantized" if opts.dequantize else "kept as in the source (no quantization)")
+        meta = {
+            "source": info.label, "repo": info.repo, "revision": info.revision, "format": info.kind,
+            "recipe": recipe_label, "recipe_source": recipe.source if recipe else None,
+            "dtype": dtype, "mlxinfer_version": __version__,
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "parameters": parameters, "size_before": size_before, "size_after": stats.total_bytes,
+            "bits_per_weight": round(stats.total_bytes * 8 / max(parameters, 1), 4),
+            "name": out.name, "out_dir": str(out),
+        }
+        config["mlxinfer"] = {"converted": {k: v for k, v in meta.items() if k not in ("name", "out_dir")}}
+        save_config(dict(config), tmp / "config.json")
+
+        quality = None
+        run_eval, eval_tokens = _eval_defaults(opts, parameters)
+        if run_eval:
+            quality = evaluate(src_dir, tmp, max_tokens=eval_tokens, progress=progress)
+            config["mlxinfer"]["converted"]["quality"] = quality.as_dict()
+            save_config(dict(config), tmp / "config.json")
+        (tmp / "README.md").write_text(card.model_card(meta, quality.rows() if quality else None))
+        if notes:
+            config["mlxinfer"]["converted"]["notes"] = notes
+            save_config(dict(config), tmp / "config.json")
+
+        shutil.rmtree(tmp / "_gguf", ignore_errors=True)
+        _publish(tmp, out, opts.force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    alias_file = None
+    if opts.alias:
+        alias_file = card.add_alias(opts.alias, out, description=f"converted from {info.label}",
+                                    quant=recipe.label() if recipe else (dtype or ""), replace=opts.force)
+    return ConvertResult(
+        out_dir=out, source=info, recipe=meta["recipe"], parameters=parameters, size_before=size_before,
+        size_after=stats.total_bytes, bits_per_weight=meta["bits_per_weight"],
+        seconds=time.perf_counter() - started, shards=stats.files, quality=quality, alias_file=alias_file,
+        notes=notes,
+    )
+
+
+def _publish(tmp: Path, out: Path, force: bool) -> None:
+    """Rename the finished temp dir to ``out``; an old ``out`` (only with force) is moved aside, then removed."""
+    old = None
+    if out.exists():
+        if not force:  # it appeared while we were converting
+            raise OutputExists(f"{out} already exists", hint="add --force to replace it")
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
