@@ -2,7 +2,9 @@
 
 - Q4_0, Q4_1 and Q8_0 blocks map exactly onto MLX affine quantization with group size 32: the nibbles/bytes
   are repacked, ``scale = d`` and ``bias = m`` (Q4_1), ``-8·d`` (Q4_0) or ``-128·d`` (Q8_0, stored unsigned).
-- K-quants, IQ and other block types are dequantized by the ``gguf`` package and re-quantized with
+- Q4_K's 32-weight sub-blocks are affine too: repacked as MLX 4-bit with scale ``d·sc`` and bias ``-dmin·m``
+  rounded to float16 (our own decoding: ``mx.load``'s Q4_K values were measured wrong).
+- Other K-quants, IQ and block types are dequantized by the ``gguf`` package and re-quantized with
   ``mx.quantize`` (group size 32) at the closest MLX bit width; F32/F16/BF16 matrices are kept as they are.
 - llama.cpp permutes the rows of Q/K projections of llama-family models for its interleaved RoPE; we undo that
   so the result has the Hugging Face layout and runs with mlx-lm's default (non-traditional) RoPE.
@@ -46,7 +48,7 @@ _EXACT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # repacked bit for bit; value: MLX b
 _FLOAT = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 # Types the gguf package dequantizes, with the MLX bit width we re-quantize them to (at least their bits/weight).
 _REQUANT_BITS = {
-    "Q5_0": 5, "Q5_1": 5, "Q2_K": 3, "Q3_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ1_S": 2, "IQ1_M": 2,
+    "Q5_0": 5, "Q5_1": 5, "Q2_K": 3, "Q3_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ1_S": 2, "IQ1_M": 2,
     "IQ2_XXS": 3, "IQ2_XS": 3, "IQ2_S": 3, "IQ3_XXS": 4, "IQ3_S": 4, "IQ4_NL": 4, "IQ4_XS": 4, "TQ1_0": 2,
     "TQ2_0": 2, "MXFP4": 4, "NVFP4": 4,
 }
@@ -142,6 +144,24 @@ def _repack_exact(kind: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
     if kind == "Q4_1":
         return packed, d, np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).reshape(rows, -1)
     return packed, d, (d.astype(np.float32) * -8).astype(np.float16)
+
+
+def _repack_q4k(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K -> MLX 4-bit, group 32. Each 32-weight sub-block of a Q4_K super-block is already affine,
+    ``d·sc·q - dmin·m`` with q in 0..15, so only the per-group scale and bias are rounded (to float16)."""
+    blocks = raw.reshape(-1, 144)  # (rows * n_super, 144): d f16, dmin f16, 12 scale bytes, 128 nibble bytes
+    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)  # (n, 1)
+    dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
+    sc6 = blocks[:, 4:16].reshape(-1, 3, 4)  # 6-bit scales and mins, packed as in ggml's get_scale_min_k4
+    lo, mid, hi = sc6[:, 0], sc6[:, 1], sc6[:, 2]
+    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=1).astype(np.float32)  # (n, 8)
+    mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=1).astype(np.float32)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 32 bytes: low nibbles = sub-block 2c, high = 2c+1
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)  # (n, 256) in element order
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).reshape(rows, -1).view(np.uint32)
+    scales = (d * sc).astype(np.float16).reshape(rows, -1)  # (rows, n_groups)
+    biases = (-(dmin * mn)).astype(np.float16).reshape(rows, -1)
+    return packed, scales, biases
 
 
 def _unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
@@ -252,11 +272,11 @@ def _convert_tensor(t: GgufTensor, perm: np.ndarray | None, path: Path):
     import mlx.core as mx
 
     rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
-    if t.kind in _EXACT:
-        w, s, b = _repack_exact(t.kind, t.data, rows)
+    if t.kind in _EXACT or t.kind == "Q4_K":
+        w, s, b = _repack_q4k(t.data, rows) if t.kind == "Q4_K" else _repack_exact(t.kind, t.data, rows)
         if perm is not None:
             w, s, b = w[perm], s[perm], b[perm]
-        return {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}, _EXACT[t.kind]
+        return {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}, _EXACT.get(t.kind, 4)
     if t.kind in _FLOAT:
         arr = t.data.view(_FLOAT[t.kind]).reshape(t.shape)
         if perm is not None:
@@ -291,7 +311,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
         raise InvalidModel(
             f"{path.name}: unsupported GGUF architecture '{arch}'", hint=f"supported: {', '.join(sorted(_ARCHS))}")
     for t in g.tensors:  # fail before any work
-        if t.kind not in _EXACT and t.kind not in _FLOAT and t.kind not in _REQUANT_BITS:
+        if t.kind not in _EXACT and t.kind not in _FLOAT and t.kind not in _REQUANT_BITS and t.kind != "Q4_K":
             raise InvalidModel(f"{path.name}: unsupported GGUF tensor type {t.kind} in '{t.name}'",
                                hint="re-export the model as Q8_0, Q4_0, Q4_K or F16")
     check_tokenizer(g.meta)  # before the slow part

@@ -1,7 +1,8 @@
 """GGUF import on tiny synthetic files written here with ``gguf.GGUFWriter`` (a 2-layer llama, KBs each).
 
 - Q4_0 / Q4_1 / Q8_0 repack bit-exactly: MLX's dequantization of our tensors equals ``gguf.quants.dequantize``.
-- F16 is kept as F16 (exact); Q4_K is dequantized and re-quantized to MLX 4-bit within one quantization step.
+- F16 is kept as F16 (exact); Q4_K repacks up to float16 rounding of its scales; Q6_K is re-quantized to MLX
+  6-bit within one quantization step.
 - Q/K rows written with llama.cpp's permutation are un-permuted: the imported model gives the logits of the
   original Hugging Face-layout model.
 - Bad files raise ``InvalidModel`` and leave nothing in the cache; a second import is a cache hit.
@@ -114,8 +115,8 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], qtype=QT.F32, *, arch
         elif permute and ".k_proj." in hf:
             arr = llama_permute(arr, KV_HEADS)
         t = (types or {}).get(hf, qtype if arr.ndim == 2 else QT.F32)
-        if isinstance(t, np.ndarray):  # raw bytes given by the test
-            w.add_tensor(gguf_name(hf), t, raw_dtype=QT.Q4_K)
+        if isinstance(t, tuple):  # (type, raw blocks) made by the test
+            w.add_tensor(gguf_name(hf), t[1], raw_dtype=t[0])
         elif t in (QT.F32, QT.F16):
             w.add_tensor(gguf_name(hf), arr.astype(np.float32 if t == QT.F32 else np.float16))
         elif t == QT.I32:
@@ -167,34 +168,57 @@ def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits):
         assert got.dtype == np.float32 and np.array_equal(got, expected), hf
 
 
-def test_f16_kept_exact_and_q4k_requantized_within_one_step(tmp_path):
+def _random_kquant(rng, shape: tuple[int, int], qtype) -> np.ndarray:
+    """Random K-quant blocks with sane float16 super-block scales (the rest of the bytes may be anything)."""
+    n_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (shape[0] * shape[1] // 256, n_bytes), dtype=np.uint8)
+    half = lambda v: np.full(len(raw), v, np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
+    if qtype == QT.Q4_K:
+        raw[:, 0:2], raw[:, 2:4] = half(0.002), half(0.001)  # d, dmin
+    else:  # Q6_K: d is the last field
+        raw[:, -2:] = half(0.0005)
+    return raw.reshape(shape[0], -1)
+
+
+def test_f16_kept_and_k_quants_converted_within_tolerance(tmp_path):
     weights = hf_weights()
     rng = np.random.default_rng(1)
-    down = "model.layers.0.mlp.down_proj.weight"  # in_features = 256: one Q4_K super-block per row
-    n_blocks = weights[down].shape[0]
-    raw = rng.integers(0, 256, (n_blocks, 144), dtype=np.uint8)
-    raw[:, 0:2] = np.full(n_blocks, 0.002, np.float16).view(np.uint8).reshape(-1, 2)  # d
-    raw[:, 2:4] = np.full(n_blocks, 0.001, np.float16).view(np.uint8).reshape(-1, 2)  # dmin
-    model_dir = import_gguf(write_gguf(tmp_path / "m.gguf", weights, QT.F16, types={down: raw}))
+    q4k, q6k = "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"  # in = 256
+    raw = {q4k: _random_kquant(rng, weights[q4k].shape, QT.Q4_K), q6k: _random_kquant(rng, weights[q6k].shape, QT.Q6_K)}
+    types = {hf: (QT.Q4_K if hf == q4k else QT.Q6_K, blocks) for hf, blocks in raw.items()}
+    model_dir = import_gguf(write_gguf(tmp_path / "m.gguf", weights, QT.F16, types=types))
     w = load_weights(model_dir)
     q_proj = "model.layers.1.self_attn.q_proj.weight"
     assert w[q_proj].dtype == mx.float16
     assert np.array_equal(np.array(w[q_proj]), weights[q_proj].astype(np.float16))
     assert np.array_equal(np.array(w["model.norm.weight"]), weights["model.norm.weight"])
 
-    source = gguf.quants.dequantize(raw, QT.Q4_K).reshape(weights[down].shape)
-    got = mlx_dequant(w, down.removesuffix(".weight"), 4)
-    groups = source.reshape(-1, 32)
-    err = np.abs(got.reshape(-1, 32) - groups).max(axis=1)
-    # MLX 4-bit affine over each group of 32 with step s = (max - min) / 15: mx.quantize snaps the step so the
-    # larger-magnitude end is exact, changing it by at most s / 16 (edge >= 7.5 s is rounded to >= 8 steps), so
-    # the far end moves by < 15 s / 16 and interior values stay within half a step: error < s. Plus the float16
-    # rounding of the stored scale (relative 2^-11, times up to 15 steps) and bias (relative 2^-11).
-    step = (groups.max(axis=1) - groups.min(axis=1)) / 15
-    bound = step + 15 * step * 2**-11 + np.abs(groups).max(axis=1) * 2**-11 + 1e-7
-    assert (err <= bound).all(), float((err / bound).max())
+    # Q4_K: each 32-weight sub-block is affine (d*sc*q - dmin*m), repacked with the same q; only the scale and
+    # bias are rounded to float16 (relative error <= 2^-11 each), so |error| <= (15 * scale + |bias|) * 2^-11
+    source = gguf.quants.dequantize(raw[q4k], QT.Q4_K).reshape(-1, 32)
+    got = mlx_dequant(w, q4k.removesuffix(".weight"), 4).reshape(-1, 32)
+    scale = np.abs(np.array(w[q4k.replace("weight", "scales")].astype(mx.float32))).reshape(-1)
+    bias = np.abs(np.array(w[q4k.replace("weight", "biases")].astype(mx.float32))).reshape(-1)
+    bound = (15 * scale + bias) * 2**-11 + 1e-9
+    assert (np.abs(got - source).max(axis=1) <= bound).all()
+
+    # Q6_K (16-weight sub-blocks, no MLX equivalent): dequantized and re-quantized to 6 bits, group 32.
+    # mx.quantize's step s = (max - min) / 63 is snapped so the larger-magnitude end is exact (it moves by at
+    # most s / 64, as that end lies >= 31.5 s from 0), so the far end moves < s and interior values stay within
+    # half a step: |error| < s, plus float16 rounding of the stored scale (63 steps) and bias.
+    source = gguf.quants.dequantize(raw[q6k], QT.Q6_K).reshape(-1, 32)
+    got = mlx_dequant(w, q6k.removesuffix(".weight"), 6).reshape(-1, 32)
+    step = (source.max(axis=1) - source.min(axis=1)) / 63
+    bound = step + 63 * step * 2**-11 + np.abs(source).max(axis=1) * 2**-11 + 1e-9
+    assert (np.abs(got - source).max(axis=1) <= bound).all()
     config = json.loads((model_dir / "config.json").read_text())
-    assert config["quantization"]["bits"] == 4
+    quant = config["quantization"]
+    assert quant.get("model.layers.1.mlp.down_proj", quant)["bits"] == 6
+    assert quant.get("model.layers.0.mlp.down_proj", quant)["bits"] == 4
+    from mlx_lm import load
+
+    model, _ = load(str(model_dir))  # the mixed F16 / 4-bit / 6-bit directory loads and runs
+    assert np.isfinite(_logits(model, [5, 6, 7])).all()
 
 
 def _logits(model, tokens: list[int]) -> np.ndarray:
