@@ -224,13 +224,20 @@ def _llama3_rope_scaling(factors: np.ndarray, base: float, head_dim: int) -> dic
                        hint="this RoPE scaling is not supported yet")
 
 
+_EOG_TEXTS = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|end_of_text|>", "<EOT>"}
+
+
 def _generation_config(meta: dict) -> dict:
-    """BOS and the end-of-generation ids: EOS plus EOT/EOM when the GGUF names them (e.g. <|eot_id|>)."""
+    """BOS and the end-of-generation ids: EOS, then EOT/EOM and the end-of-turn tokens llama.cpp detects."""
     gen: dict[str, Any] = {}
     if meta.get("tokenizer.ggml.bos_token_id") is not None:
         gen["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
     eos = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
            if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
+    # llama.cpp also ends generation at these control tokens when the vocabulary has them
+    tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type") or []
+    eos += [i for i, tok in enumerate(tokens) if tok in _EOG_TEXTS and (not types or types[i] in (3, 4))]
     eos = list(dict.fromkeys(eos))
     if eos:
         gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
@@ -368,10 +375,6 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
             progress("write", 1, 1)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            out_dir.parent.rmdir()  # only if empty: a failed first import leaves no trace
-        except OSError:
-            pass
         raise
     return out_dir
 
@@ -397,6 +400,13 @@ def import_gguf(path: Path, progress: Progress | None = None) -> Path:
     digest = file_digest(path)
     target = cache_root() / "gguf" / f"{digest[:24]}-v{IMPORT_VERSION}"
     if not ((target / "config.json").exists() and (target / "model.safetensors").exists()):
-        convert_gguf(path, target, progress)
+        try:
+            convert_gguf(path, target, progress)
+        except BaseException:
+            try:
+                target.parent.rmdir()  # only if empty: a failed first import leaves no trace
+            except OSError:
+                pass
+            raise
     _remember_digest(path, digest)  # only now: a failed import leaves nothing in the cache
     return target

@@ -329,7 +329,8 @@ def test_config_metadata_tokenizer_and_mlx_lm_load(tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     info = config["mlxinfer"]
     assert (info["name"], info["size_label"], info["file_type_name"]) == ("Tiny Test Llama", "1M", "Q8_0")
-    assert config["eos_token_id"] == 2 and config["num_key_value_heads"] == KV_HEADS
+    # EOS first, then the control tokens llama.cpp also treats as end of generation (<|endoftext|>)
+    assert config["eos_token_id"] == [2, 0] and config["num_key_value_heads"] == KV_HEADS
     model, tokenizer = load(str(model_dir))
     ids = tokenizer.encode(" the in<|im_end|>", add_special_tokens=False)
     tokens = tiny_vocab()[0]
