@@ -25,7 +25,7 @@ APPLE_BANDWIDTH_GBPS: dict[str, float] = {
     "M5": 153,
 }
 APPLE_BINNED_GBPS: dict[tuple[str, int], float] = {("M3 Max", 14): 300, ("M4 Max", 14): 410}
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 
 
 def apple_chip_name(label: str) -> str | None:
@@ -112,7 +112,7 @@ def _cuda_name() -> str | None:
         return None
 
 
-def probe_copy_bandwidth(size_mb: int = 256, repeats: int = 5, threads: int | None = None) -> float:
+def probe_copy_bandwidth(size_mb: int = 128, repeats: int = 4, threads: int | None = None) -> float:
     """Measured copy bandwidth in GB/s: ``threads`` threads each copy a slice of a ``size_mb`` buffer (NumPy
     releases the GIL for plain copies); a copy reads and writes every byte, so 2 × size per pass; best of N."""
     import threading
@@ -161,7 +161,7 @@ def measured_bandwidth(label: str, cores: int, memory: int, *, refresh: bool = F
     if entry and not refresh:
         return float(entry["gbps"]), f"measured copy probe, cached {entry['when']} ({entry['method']})"
     gbps = probe_copy_bandwidth()
-    method = f"NumPy copy of 256 MiB on {cores} threads, best of 5"
+    method = f"NumPy copy of 128 MiB on {cores} threads, best of 4"
     cached = cached if isinstance(cached, dict) else {}
     cached[key] = {"gbps": gbps, "when": time.strftime("%Y-%m-%d"), "method": method}
     try:

@@ -47,10 +47,11 @@ def summary_row(r: dict) -> list[str]:
         return base + ["-", "-", ttft, "-", "-", fmt_bytes(res["peak_memory_bytes"]), "-", "-"]
     itl = res["itl_s"]
     itl_text = f"{itl['p50'] * 1e3:.0f}/{itl['p95'] * 1e3:.0f}/{itl['p99'] * 1e3:.0f}" if itl["n"] else "-"
-    bw = format_mean_std(res["bandwidth_gbps"])
-    if res.get("bandwidth_share") is not None and res["bandwidth_gbps"]["n"]:
+    bw = format_mean_std(res["bandwidth_gbps"]) if r["workload"]["gen_tokens"] > 1 else "-"
+    if res.get("bandwidth_share") is not None and bw != "-":
         bw += f" ({res['bandwidth_share'] * 100:.0f}%)"
-    return base + [format_mean_std(res["prefill_tps"], 1), format_mean_std(res["decode_tps"], 1),
+    decode = format_mean_std(res["decode_tps"], 1) if r["workload"]["gen_tokens"] > 1 else "-"
+    return base + [format_mean_std(res["prefill_tps"], 1), decode,
                    format_mean_std(res["ttft_s"], 3), itl_text, format_mean_std(res["e2e_s"]),
                    fmt_bytes(res["peak_memory_bytes"]), fmt_bytes(res["kv_cache_bytes"]), bw]
 

@@ -19,6 +19,17 @@ SCHEMA = "mlxinfer-bench/1"
 PEERS = ("mlx-lm",)
 WARMUP_GEN = 4  # warmup runs decode a few tokens: enough to allocate and compile, cheap at any -n
 Progress = Callable[[str, int, int], None]  # (what is running, done, total)
+# The provenance every record carries (the tests hold the JSON and CSV outputs to it).
+PROVENANCE = {
+    "model": ("name", "alias", "repo", "revision", "source", "path", "model_type", "params", "params_label",
+              "quantization", "bits", "group_size", "quant_mode", "dtype", "weight_bytes", "context_length"),
+    "engine": ("name", "version", "git_commit", "git_dirty", "mlx", "mlx_lm", "backend", "kernels", "kernels_detail"),
+    "hardware": ("chip", "cpu", "gpu", "cpu_cores", "memory_bytes", "bandwidth_gbps", "bandwidth_source",
+                 "load_avg_1m"),
+    "os": ("system", "release", "machine", "platform", "python"),
+    "workload": ("kind", "prompt_tokens", "gen_tokens", "depth", "batch", "prompt_source", "seed", "warmup",
+                 "repetitions", "sampler", "ignore_eos", "prefill_step"),
+}
 
 
 @dataclass

@@ -77,6 +77,8 @@ def bench_cmd(
         return
     if out_path is not None:
         report.write_atomic(out_path, report.render(records, fmt, baseline))
+        if not sys.stdout.isatty():
+            print(f"saved {len(records)} records to {out_path}", file=sys.stderr)
     if sys.stdout.isatty():
         _print_rich(records, baseline, saved=out_path)
     elif out_path is None:
