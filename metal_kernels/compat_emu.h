@@ -52,6 +52,7 @@ struct bfloat16_t {
 
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 
+#ifndef MLXK_EMU_CUDA  // the CUDA flavour (emu_cuda_prelude.h) gets these from compat_cuda.h instead
 namespace metal {
 inline float exp(float x) { return std::exp(x); }
 inline float max(float a, float b) { return std::fmax(a, b); }
@@ -59,6 +60,7 @@ inline float min(float a, float b) { return std::fmin(a, b); }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 }  // namespace metal
+#endif
 
 namespace mlxemu {
 
@@ -212,6 +214,7 @@ inline const char* launch(uint3 grid, uint3 tg, const std::function<void(const A
 
 }  // namespace mlxemu
 
+#ifndef MLXK_EMU_CUDA
 inline void threadgroup_barrier(mem_flags) { mlxemu::barrier(); }
 inline void simdgroup_barrier(mem_flags) { mlxemu::simd_barrier(); }
 template <typename U>
@@ -240,5 +243,6 @@ U simd_shuffle_down(U x, ushort delta) {  // lanes past the end read their own v
 #define thread
 #define threadgroup static
 #define METAL_FUNC inline
+#endif  // MLXK_EMU_CUDA
 
 #endif

@@ -7,6 +7,10 @@
    one small generated ``extern "C"`` launcher per instance.
 3. ``Emulator`` is a ``build.Runner``: it binds numpy views of the inputs (strided ones in place), runs the
    launch and returns MLX arrays. The shared library is cached by content hash, so it is compiled once.
+
+``Emulator("cuda")`` runs the CUDA route instead: the source MLX's CUDA backend would build (``compat_cuda.h`` +
+the same bodies, wrapped as in mlx/backend/cuda/custom_kernel.cpp) on the same fibers, with
+``emu_cuda_prelude.h`` standing in for CUDA's headers (threadIdx, __shfl_*_sync, __syncthreads, __half).
 """
 
 from __future__ import annotations
@@ -25,12 +29,16 @@ from typing import Dict, List, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from mlxinfer.kernels.build import SPECS, Launch, get_kernel, kernel_dir
+from mlxinfer.kernels.build import SPECS, Launch, get_kernel, kernel_dir, kernel_header, split_kernel
 
 CXX_FLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-w"]
 _SOURCE_RE = re.compile(r"Generated source code for `(\w+)`:\n```\n(.*?)\n```", re.S)
 _SIGNATURE_RE = re.compile(r"\[\[kernel\]\] void (\w+)\(\n(.*?)\) \{\n", re.S)
 _PARAM_RE = re.compile(r"^\s*(.*?)\s*(\w+) \[\[(.*)\]\]$")
+PRELUDES = {"metal": "compat_emu.h", "cuda": "emu_cuda_prelude.h"}
+MAX_NDIM = 10  # shape/strides arrays are padded to this (CUDA passes fixed-size arrays; Metal reads a prefix)
+_CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.uint32: "uint32_t",
+               mx.int32: "int32_t"}
 _NP = {mx.float16: np.float16, mx.bfloat16: np.uint16, mx.float32: np.float32, mx.uint32: np.uint32,
        mx.int32: np.int32}
 
@@ -98,29 +106,57 @@ def parse_signature(source: str) -> Tuple[str, str, List[Param]]:
     return sig.group(1), (inst.group(1) or "") if inst else "", params
 
 
-def launcher(name: str, targs: str, params: List[Param]) -> str:
+def launcher(name: str, targs: str, params: List[Param], call: str = "") -> str:
+    """An ``extern "C"`` entry point that runs kernel ``name`` over a grid, its buffers passed as void* a[]."""
     args, i = [], 0
     for p in params:
         if p.is_buffer:
-            base = p.ctype.rstrip("&*").strip()
-            args.append(f"*({base}*)a[{i}]" if p.ctype.endswith("&") else f"({p.ctype})a[{i}]")
+            base = p.ctype.rstrip("&*").strip().replace("__grid_constant__ ", "")
+            base = {"const Shape": "const mlx::core::cu::Shape", "const Strides": "const mlx::core::cu::Strides"}.get(
+                base, base)
+            args.append(f"({p.ctype})a[{i}]" if p.ctype.endswith("*") else f"*({base}*)a[{i}]")
             i += 1
         else:
             args.append(f"t.{p.name}")
     return (
         f'extern "C" const char* launch_{name}(void** a, unsigned gx, unsigned gy, unsigned gz, unsigned tx,'
         f" unsigned ty, unsigned tz) {{\n  return mlxemu::launch({{gx, gy, gz}}, {{tx, ty, tz}},"
-        f" [&](const mlxemu::Attrs& t) {{ {name}{targs}({', '.join(args)}); }});\n}}\n"
+        f" [&](const mlxemu::Attrs& t) {{ {call}{name}{targs}({', '.join(args)}); }});\n}}\n"
     )
 
 
-def translation_unit(sources: Sequence[str]) -> str:
-    parts = []
-    for src in sources:
-        body = "\n".join(ln for ln in src.splitlines() if not ln.startswith("template [[host_name("))
-        name, targs, params = parse_signature(src)
-        parts += [body, launcher(name, targs, params)]
-    return "\n".join(parts)
+def metal_unit(src: str) -> Tuple[str, str, List[Param]]:
+    """(C++ for one MLX-generated Metal kernel plus its launcher, function name, parameters)."""
+    body = "\n".join(ln for ln in src.splitlines() if not ln.startswith("template [[host_name("))
+    name, targs, params = parse_signature(src)
+    return body + "\n" + launcher(name, targs, params), name, params
+
+
+def cuda_unit(launch: Launch, name: str) -> Tuple[str, str, List[Param]]:
+    """The source mlx/backend/cuda/custom_kernel.cpp (build_kernel) generates for ``launch``, plus a launcher."""
+    spec = SPECS[launch.kernel]
+    _, body = split_kernel(launch.kernel)
+    params = []
+    for n, a in zip(spec.inputs, launch.inputs):
+        params.append(Param(f"const {_CUDA_TYPES[a.dtype]}*", n, True))
+        for suffix, ctype in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+            if a.ndim > 0 and n + suffix in body:
+                params.append(Param(f"const __grid_constant__ {ctype}", n + suffix, True))
+    params += [Param(f"{_CUDA_TYPES[d]}*", n, True) for n, d in zip(spec.outputs, launch.output_dtypes)]
+    consts = []
+    for n, v in launch.template:
+        if isinstance(v, bool):
+            consts.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
+        elif isinstance(v, int):
+            consts.append(f"  constexpr int {n} = {v};")
+        else:
+            consts.append(f"  using {n} = {_CUDA_TYPES[v]};")
+    src = (
+        kernel_header(launch.kernel, "cuda") + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        f"__global__ void {name}(\n" + ",\n".join(f"    {p.ctype} {p.name}" for p in params) + ") {\n"
+        + "\n".join(consts) + "\n\n" + body + "\n}\n\n} // namespace mlx::core::cu\n"
+    )
+    return src + launcher(name, "", params, call="mlx::core::cu::"), name, params
 
 
 def cache_dir() -> Path:
@@ -128,10 +164,10 @@ def cache_dir() -> Path:
     return Path(root) / "kernel-emulator"
 
 
-def compile_library(tu: str) -> Path:
+def compile_library(tu: str, prelude: str = "compat_emu.h") -> Path:
     """Compile (or reuse) the shared library for a translation unit; returns its path."""
-    compat = (kernel_dir() / "compat_emu.h").read_text(encoding="utf-8")
-    digest = hashlib.sha256("\0".join([tu, compat, *CXX_FLAGS]).encode()).hexdigest()[:20]
+    shims = [(kernel_dir() / f).read_text(encoding="utf-8") for f in sorted(set(PRELUDES.values()))]
+    digest = hashlib.sha256("\0".join([tu, prelude, *shims, *CXX_FLAGS]).encode()).hexdigest()[:20]
     out = cache_dir() / f"emu-{digest}.so"
     if out.exists():
         return out
@@ -142,7 +178,7 @@ def compile_library(tu: str) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src, lib = Path(tmp) / "tu.cpp", Path(tmp) / "lib.so"
         src.write_text(tu, encoding="utf-8")
-        cmd = [cxx, *CXX_FLAGS, "-I", str(kernel_dir()), "-include", "compat_emu.h", str(src), "-o", str(lib)]
+        cmd = [cxx, *CXX_FLAGS, "-I", str(kernel_dir()), "-include", prelude, str(src), "-o", str(lib)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise EmulatorError(f"g++ failed on the generated kernels:\n{res.stderr[-4000:]}")
@@ -158,9 +194,12 @@ def _host_view(a: mx.array, contiguous: bool) -> np.ndarray:
 
 
 class Emulator:
-    """A ``build.Runner`` that executes launches on the CPU emulator."""
+    """A ``build.Runner`` that executes launches on the CPU emulator, as Metal ("metal") or CUDA ("cuda") source."""
 
-    def __init__(self):
+    def __init__(self, flavor: str = "metal"):
+        if flavor not in PRELUDES:
+            raise ValueError(f"unknown emulator flavor {flavor!r}")
+        self.flavor = flavor
         self._fns: Dict[Tuple, Tuple[ctypes._CFuncPtr, List[Param]]] = {}
         self._libs: list = []
 
@@ -173,11 +212,15 @@ class Emulator:
                 todo.setdefault(key, launch)
         if not todo:
             return
-        sources = [src for _, src in metal_sources(list(todo.values()))]
-        lib = ctypes.CDLL(str(compile_library(translation_unit(sources))))
+        if self.flavor == "metal":
+            units = [metal_unit(src) for _, src in metal_sources(list(todo.values()))]
+        else:
+            units = [cuda_unit(launch, "k_" + hashlib.sha1(repr(key).encode()).hexdigest()[:16])
+                     for key, launch in todo.items()]
+        tu = "\n".join(u[0] for u in units)
+        lib = ctypes.CDLL(str(compile_library(tu, PRELUDES[self.flavor])))
         self._libs.append(lib)
-        for key, src in zip(todo, sources):
-            name, _, params = parse_signature(src)
+        for key, (_, name, params) in zip(todo, units):
             fn = getattr(lib, f"launch_{name}")
             fn.restype = ctypes.c_char_p
             fn.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_uint] * 6
@@ -201,8 +244,9 @@ class Emulator:
             else:
                 base, _, what = p.name.rpartition("_")
                 v = views[base]
-                arr = {"shape": np.array(v.shape, np.int32),
-                       "strides": np.array([s // v.itemsize for s in v.strides], np.int64),
+                pad = [0] * (MAX_NDIM - v.ndim)
+                arr = {"shape": np.array([*v.shape, *pad], np.int32),
+                       "strides": np.array([*(s // v.itemsize for s in v.strides), *pad], np.int64),
                        "ndim": np.array([v.ndim], np.int32)}[what]
             keep.append(arr)
             ptrs.append(arr.ctypes.data)

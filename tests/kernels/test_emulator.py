@@ -24,3 +24,19 @@ def emulator():
 @pytest.mark.parametrize("run_case, case, dtype", kc.ALL)
 def test_kernel_on_emulator(emulator, run_case, case, dtype):
     kc.check(run_case(case, emulator), dtype)
+
+
+@pytest.fixture(scope="module")
+def cuda_route_emulator():
+    emu, recorder = Emulator("cuda"), Recorder()
+    for p in kc.ALL:
+        run_case, case, _ = p.values
+        run_case(case, recorder)
+    emu.prepare(recorder.launches)
+    return emu
+
+
+@pytest.mark.parametrize("run_case, case, dtype", kc.ALL)
+def test_cuda_route_on_emulator(cuda_route_emulator, run_case, case, dtype):
+    # The CUDA-route source (compat_cuda.h + the same bodies, wrapped like MLX's CUDA backend) on the same fibers.
+    kc.check(run_case(case, cuda_route_emulator), dtype)

@@ -12,7 +12,7 @@ import pytest
 
 from mlxinfer.kernels import ops
 from mlxinfer.kernels.build import Recorder, kernel_dir
-from mlxinfer.kernels.emulator import instance_key, metal_sources
+from mlxinfer.kernels.emulator import cuda_unit, instance_key, metal_sources
 
 pytestmark = pytest.mark.slow  # runs the C++ front end over ~200 generated kernels
 
@@ -43,7 +43,7 @@ def sources():
     return [src for _, src in metal_sources(instance_matrix())]
 
 
-def syntax_check(sources, tmp_path):
+def syntax_check(sources, tmp_path, prelude="compat_emu.h"):
     """g++ -fsyntax-only over the sources exactly as MLX would hand them to the Metal compiler (the
     `template [[host_name(...)]]` line included: it is an explicit instantiation, so every body is checked)."""
     cxx = shutil.which("g++")
@@ -51,7 +51,7 @@ def syntax_check(sources, tmp_path):
     src = tmp_path / "generated.cpp"
     src.write_text("\n".join(sources))
     return subprocess.run(
-        [cxx, "-std=c++20", "-fsyntax-only", "-Wno-attributes", "-I", str(kernel_dir()), "-include", "compat_emu.h",
+        [cxx, "-std=c++20", "-fsyntax-only", "-Wno-attributes", "-I", str(kernel_dir()), "-include", prelude,
          str(src)], capture_output=True, text=True,
     )
 
@@ -83,3 +83,11 @@ def test_errors_that_need_the_template_arguments_fail_too(sources, tmp_path):
     assert broken != sources[0]
     res = syntax_check([broken], tmp_path)
     assert res.returncode != 0 and "no_such_member" in res.stderr
+
+
+def test_cuda_route_sources_compile(tmp_path):
+    # The same instances as MLX's CUDA backend would wrap them (compat_cuda.h first), against a g++ stand-in
+    # for CUDA's headers: catches Metal words compat_cuda.h forgot to map. NVRTC itself only runs on a GPU.
+    units = [cuda_unit(launch, f"k{i}")[0] for i, launch in enumerate(instance_matrix())]
+    res = syntax_check(units, tmp_path, prelude="emu_cuda_prelude.h")
+    assert res.returncode == 0, res.stderr[-3000:]
