@@ -151,3 +151,40 @@ def test_env_var_overrides_auto_only(cpu_provider, monkeypatch):
     monkeypatch.setenv(patch.ENV_VAR, "fastest")
     with pytest.raises(InvalidParameter, match="MLXINFER_KERNELS"):
         apply_kernels(model, "auto")
+
+
+def test_auto_on_this_machine_uses_the_native_cpu_provider_when_built(monkeypatch):
+    # No fakes: on the CPU backend "auto" must pick mlxinfer.native's provider when it loads, else builtin.
+    from mlxinfer import native
+
+    monkeypatch.delenv(patch.ENV_VAR, raising=False)
+    assert patch.backend() == "cpu"
+    model = tiny_llama(4)
+    tokens = [2, 4, 6, 8]
+    before = logits(model, tokens)
+    original = llama.scaled_dot_product_attention
+    try:
+        report = apply_kernels(model, "auto")
+        if native.provider() is None:
+            assert report.name == "builtin" and native.status() in report.detail
+        else:
+            assert report.name == "cpu-native"
+            assert mx.allclose(logits(model, tokens), before, atol=1e-3, rtol=1e-3).item()
+    finally:
+        apply_kernels(model, "builtin")
+        llama.scaled_dot_product_attention = original
+        patch._ORIGINAL_SDPA.clear()
+
+
+def test_kernel_files_ship_with_their_contract():
+    from mlxinfer._resources import data_path
+    from mlxinfer.kernels.build import BODY_MARKER, SPECS
+
+    folder = data_path("metal_kernels")
+    for header in ("mlxk_common.h", "compat_cuda.h", "compat_emu.h", "emu_cuda_prelude.h"):
+        assert (folder / header).is_file()
+    for name in SPECS:
+        text = (folder / f"{name}.metal").read_text()
+        head = text.split(BODY_MARKER)[0]
+        for word in ("inputs:", "outputs:", "template:", "grid"):
+            assert word in head, f"{name}.metal header comment lacks {word!r}"
