@@ -19,6 +19,8 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.def("quantized_matmul", &mlxinfer_cpu::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         nb::kw_only(), "group_size"_a, "bits"_a,
         "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True).");
+  m.def("sdpa", &mlxinfer_cpu::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
+        "float32 attention, as mx.fast.scaled_dot_product_attention with mask None or 'causal'.");
   m.def("set_num_threads", [](int n) { mlxinfer_cpu::SpinPool::get().set_size(n); }, "n"_a);
   m.def("num_threads", [] { return mlxinfer_cpu::SpinPool::get().size(); });
   m.def("isa", [] { return std::string(mlxinfer_cpu::select_kernels().isa); });

@@ -1,6 +1,7 @@
 // AVX2 + FMA kernels (this file alone is compiled with -mavx2 -mfma).
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "qmm_kernels.h"
@@ -46,8 +47,11 @@ static inline void load_q8(const uint8_t* p, V* q) {
 constexpr int kPackM = 16;
 
 #include "qmm_impl.inc"
+#include "attn_impl.inc"
 
 }  // namespace isa_avx2
+
+SdpaFn avx2_sdpa() { return isa_avx2::sdpa_rows; }
 
 KernelSet avx2_kernels() { return {"avx2", isa_avx2::kPackM, isa_avx2::qmv, isa_avx2::qmm}; }
 

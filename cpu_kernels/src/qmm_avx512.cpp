@@ -1,6 +1,7 @@
 // AVX-512F kernels (this file alone is compiled with -mavx512f -mfma).
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "qmm_kernels.h"
@@ -36,8 +37,11 @@ static inline void load_q8(const uint8_t* p, V* q) {
 constexpr int kPackM = 32;
 
 #include "qmm_impl.inc"
+#include "attn_impl.inc"
 
 }  // namespace isa_avx512
+
+SdpaFn avx512_sdpa() { return isa_avx512::sdpa_rows; }
 
 KernelSet avx512_kernels() { return {"avx512", isa_avx512::kPackM, isa_avx512::qmv, isa_avx512::qmm}; }
 

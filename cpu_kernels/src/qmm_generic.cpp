@@ -1,5 +1,6 @@
 // Portable kernels (any CPU; the compiler may auto-vectorise the fixed-width loops).
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -48,8 +49,11 @@ static inline void load_q8(const uint8_t* p, V* q) {
 constexpr int kPackM = 16;
 
 #include "qmm_impl.inc"
+#include "attn_impl.inc"
 
 }  // namespace isa_generic
+
+SdpaFn generic_sdpa() { return isa_generic::sdpa_rows; }
 
 KernelSet generic_kernels() { return {"generic", isa_generic::kPackM, isa_generic::qmv, isa_generic::qmm}; }
 
@@ -67,6 +71,22 @@ const KernelSet& select_kernels() {
     if (has2) return avx2_kernels();
 #endif
     return generic_kernels();
+  }();
+  return chosen;
+}
+
+}  // namespace mlxinfer_cpu
+
+namespace mlxinfer_cpu {
+
+SdpaFn select_sdpa() {
+  static const SdpaFn chosen = [] {
+    const std::string isa = select_kernels().isa;
+#if defined(__x86_64__) || defined(_M_X64)
+    if (isa == "avx512") return avx512_sdpa();
+    if (isa == "avx2") return avx2_sdpa();
+#endif
+    return generic_sdpa();
   }();
   return chosen;
 }

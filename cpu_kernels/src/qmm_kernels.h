@@ -55,3 +55,28 @@ KernelSet avx512_kernels();
 const KernelSet& select_kernels();
 
 }  // namespace mlxinfer_cpu
+
+namespace mlxinfer_cpu {
+
+// Attention over float32 q (B, Hq, L, D), k/v (B, Hkv, S, D), any strides but a unit last one.
+// Query head h reads kv head h / (Hq / Hkv). causal: query i sees keys j <= i + S - L.
+struct SdpaArgs {
+  int B, Hq, Hkv, L, S, D;
+  float scale;
+  bool causal;
+  const float *q, *k, *v;
+  int64_t qs[3], ks[3], vs[3];  // element strides of dims 0..2
+  float* out;                    // (B, Hq, L, D) contiguous
+};
+
+// Rows [r0, r1) of the flattened (B, Hq, L) query rows, each an online softmax over its keys.
+using SdpaFn = void (*)(const SdpaArgs&, int r0, int r1);
+
+SdpaFn generic_sdpa();
+#if defined(__x86_64__) || defined(_M_X64)
+SdpaFn avx2_sdpa();
+SdpaFn avx512_sdpa();
+#endif
+SdpaFn select_sdpa();
+
+}  // namespace mlxinfer_cpu

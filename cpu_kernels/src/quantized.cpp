@@ -15,6 +15,27 @@
 
 namespace mlxinfer_cpu {
 
+// Row-major copy of a strided array (libmlx does not export its own copy helpers).
+mx::array row_contiguous_copy(const mx::array& a) {
+  mx::array c(a.shape(), a.dtype(), nullptr, {});
+  c.set_data(mx::allocator::malloc(c.nbytes()));
+  const size_t item = a.itemsize();
+  const char* src = a.data<char>();
+  char* dst = c.data<char>();
+  const int nd = a.ndim();
+  std::vector<int> idx(nd, 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) off += idx[d] * a.strides()[d];
+    std::memcpy(dst + i * item, src + off * (int64_t)item, item);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < a.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+  return c;
+}
+
 namespace {
 
 class NativeQuantizedMatmul : public mx::UnaryPrimitive {
@@ -145,27 +166,6 @@ void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
     auto* o = out.data<mx::bfloat16_t>();
     for (size_t i = 0; i < (size_t)M * N; ++i) o[i] = static_cast<mx::bfloat16_t>(of[i]);
   }
-}
-
-// Row-major copy of a strided array (libmlx does not export its own copy helpers).
-mx::array row_contiguous_copy(const mx::array& a) {
-  mx::array c(a.shape(), a.dtype(), nullptr, {});
-  c.set_data(mx::allocator::malloc(c.nbytes()));
-  const size_t item = a.itemsize();
-  const char* src = a.data<char>();
-  char* dst = c.data<char>();
-  const int nd = a.ndim();
-  std::vector<int> idx(nd, 0);
-  for (size_t i = 0; i < a.size(); ++i) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; ++d) off += idx[d] * a.strides()[d];
-    std::memcpy(dst + i * item, src + off * (int64_t)item, item);
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < a.shape(d)) break;
-      idx[d] = 0;
-    }
-  }
-  return c;
 }
 
 void NativeQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

@@ -153,7 +153,7 @@ def provider():
     if module is None:
         return None
     if "provider" not in _state:
-        from mlxinfer.native.provider import NativeCpuProvider
+        from mlxinfer.native.cpu_provider import NativeCpuProvider
 
         _state["provider"] = NativeCpuProvider(module)
     return _state["provider"]

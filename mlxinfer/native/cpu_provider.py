@@ -30,4 +30,12 @@ class NativeCpuProvider:
         return self._ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
 
     def sdpa(self, q, k, v, *, scale: float, mask) -> Optional[mx.array]:
-        return None
+        # float32 (the CPU dtype policy) with no mask or a causal one; array masks go to the built-in.
+        if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+            return None
+        if not all(a.ndim == 4 and a.dtype == mx.float32 for a in (q, k, v)):
+            return None
+        if k.shape != v.shape or q.shape[1] % k.shape[1] or q.shape[-1] > 1024 or q.shape[2] > k.shape[2]:
+            return None
+        # q (B, n_heads, L, D), k/v (B, n_kv_heads, S, D) -> (B, n_heads, L, D)
+        return self._ext.sdpa(q, k, v, scale=float(scale), causal=mask is not None and q.shape[2] > 1)

@@ -1,0 +1,101 @@
+// The Sdpa primitive: scaled-dot-product attention (decode and causal prefill) on the CPU stream.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "ops.h"
+#include "qmm_kernels.h"
+#include "threadpool.h"
+
+namespace mlxinfer_cpu {
+
+mx::array row_contiguous_copy(const mx::array& a);  // quantized.cpp
+
+namespace {
+
+class NativeSdpa : public mx::UnaryPrimitive {
+ public:
+  NativeSdpa(mx::Stream s, float scale, bool causal) : mx::UnaryPrimitive(s), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[mlxinfer_cpu] sdpa runs on the CPU stream only");
+  }
+  const char* name() const override { return "MlxinferSdpa"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const NativeSdpa*>(&other);
+    return o && o->scale_ == scale_ && o->causal_ == causal_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::array& out, float scale,
+              bool causal) {
+  SdpaArgs a{};
+  a.B = q.shape(0);
+  a.Hq = q.shape(1);
+  a.L = q.shape(2);
+  a.D = q.shape(3);
+  a.Hkv = k.shape(1);
+  a.S = k.shape(2);
+  a.scale = scale;
+  a.causal = causal;
+  a.q = q.data<float>();
+  a.k = k.data<float>();
+  a.v = v.data<float>();
+  for (int d = 0; d < 3; ++d) {
+    a.qs[d] = q.strides()[d];
+    a.ks[d] = k.strides()[d];
+    a.vs[d] = v.strides()[d];
+  }
+  a.out = out.data<float>();
+  const SdpaFn fn = select_sdpa();
+  SpinPool& pool = SpinPool::get();
+  const int rows = a.B * a.Hq * a.L;
+  // Causal rows get longer towards the end; small tasks keep the threads balanced.
+  const int per = std::max(1, rows / (8 * pool.size()));
+  const int ntasks = (rows + per - 1) / per;
+  pool.run(ntasks, [&](int t, int) { fn(a, t * per, std::min(rows, (t + 1) * per)); });
+}
+
+void NativeSdpa::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+  enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_,
+                causal = causal_]() mutable {
+    // The kernel reads any strides (a KV-cache slice, a transposed q) as long as the last is 1.
+    for (auto& a : in)
+      if (a.strides().back() != 1) a = row_contiguous_copy(a);
+    run_sdpa(in[0], in[1], in[2], out, scale, causal);
+  });
+}
+
+}  // namespace
+
+mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.sdpa] " + msg); };
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) fail("q, k, v must be 4-D (B, heads, len, dim)");
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) fail("float32 only");
+  if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3)) fail("shape mismatch");
+  if (k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) fail("query heads must be a multiple of kv heads");
+  if (q.shape(3) > 1024) fail("head dim > 1024");
+  if (causal && q.shape(2) > k.shape(2)) fail("causal needs L <= S");
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<NativeSdpa>(mx::to_stream({}, mx::Device::cpu), scale, causal), {q, k, v});
+}
+
+}  // namespace mlxinfer_cpu
