@@ -27,7 +27,7 @@ from ..errors import InvalidModel
 from .gguf_file import GgufTensor, read_gguf
 from .gguf_tokenizer import check_tokenizer, write_tokenizer
 
-IMPORT_VERSION = 2
+IMPORT_VERSION = 3
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 # GGUF architecture -> HF model_type / class, and whether llama.cpp permuted Q/K rows at conversion.
