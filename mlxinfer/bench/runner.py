@@ -80,13 +80,18 @@ def context_length_of(spec, progress=None) -> tuple[Path, int]:
     """The model directory (downloading or importing if needed) and its usable context, without loading weights."""
     import json
 
-    from ..engine.loader import LoadedModel, _local_dir, check_model_dir
+    from ..engine.loader import _local_dir, check_model_dir
 
     path = _local_dir(spec, progress)
     check_model_dir(path)
-    config = json.loads((path / "config.json").read_text())
-    shell = LoadedModel(model=None, tokenizer=None, config=config, path=path, spec=spec, backend="", dtype="")
-    return path, shell.context_length
+    return path, _described(spec, path, json.loads((path / "config.json").read_text())).context_length
+
+
+def _described(spec, path: Path, config: dict):
+    """A LoadedModel without weights: its properties (context length, quantization label) from the config alone."""
+    from ..engine.loader import LoadedModel
+
+    return LoadedModel(model=None, tokenizer=None, config=config, path=path, spec=spec, backend="", dtype="")
 
 
 def check_context(name: str, context: int, cases: list[Case]) -> None:
@@ -137,8 +142,8 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
             spec_, path, backend, context = loaded.spec, loaded.path, loaded.backend, loaded.context_length
             del loaded
             _free()
-            model, tokenizer, info = _load_peer(spec_, path, context)
-            _run_engine(cases, model=model, config=info.pop("_config"), timed=measure.mlx_lm_timed(model, tokenizer),
+            model, tokenizer, config, info = _load_peer(spec_, path, context)
+            _run_engine(cases, model=model, config=config, timed=measure.mlx_lm_timed(model, tokenizer),
                         engine=provenance.peer_engine_info(backend), model_info=info, **common)
             del model, tokenizer
         else:
@@ -159,12 +164,10 @@ def _load_peer(spec, path: Path, context: int):
     from mlx_lm import load as lm_load
 
     model, tokenizer, config = lm_load(str(path), return_config=True)
-    dtype = provenance.majority_float_dtype(model)
-    q = config.get("quantization")
-    quant = f"{q.get('bits')}-bit {q.get('mode', 'affine')}, group {q.get('group_size')}" if q else f"none ({dtype})"
-    info = provenance.model_info(spec, path, config, model, dtype=dtype, quantization=quant, context_length=context)
-    info["_config"] = config
-    return model, tokenizer, info
+    quant = _described(spec, path, config).quantization
+    info = provenance.model_info(spec, path, config, model, dtype=provenance.majority_float_dtype(model),
+                                 quantization=quant, context_length=context)
+    return model, tokenizer, config, info
 
 
 def _prompt_source(loaded, opts: BenchOptions) -> PromptSource:
