@@ -23,7 +23,8 @@ Progress = Callable[[str, int, int], None]  # (what is running, done, total)
 PROVENANCE = {
     "model": ("name", "alias", "repo", "revision", "source", "path", "model_type", "params", "params_label",
               "quantization", "bits", "group_size", "quant_mode", "dtype", "weight_bytes", "context_length"),
-    "engine": ("name", "version", "git_commit", "git_dirty", "mlx", "mlx_lm", "backend", "kernels", "kernels_detail"),
+    "engine": ("name", "version", "git_commit", "git_dirty", "mlx", "mlx_lm", "backend", "kernels", "kernels_detail",
+               "kernels_requested"),
     "hardware": ("chip", "cpu", "gpu", "cpu_cores", "memory_bytes", "bandwidth_gbps", "bandwidth_source",
                  "load_avg_1m"),
     "os": ("system", "release", "machine", "platform", "python"),
@@ -108,8 +109,10 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
     """Benchmark each model spec (already resolved). ``load(spec, kernels=...)`` loads one model (default:
     ``engine.loader.load``). All inputs, including each model's context limit, are checked before any timing."""
     from ..engine.loader import load as default_load
+    from ..kernels.patch import resolve_mode
 
     opts.validate()
+    resolve_mode(opts.kernels)  # an unknown --kernels value is bad input too
     cases = opts.cases()
     if not cases:
         raise InvalidParameter("nothing to run", hint="give -p/-n lengths or --prefix-cache lengths")
@@ -132,8 +135,9 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
         loaded = (load or default_load)(spec, kernels=opts.kernels)
         source = _prompt_source(loaded, opts)
         common = dict(hardware=hw, system=system, source=source, opts=opts, ticker=ticker, emit=emit)
+        engine = {**provenance.engine_info(loaded), "kernels_requested": resolve_mode(opts.kernels)}
         _run_engine(cases, model=loaded.model, config=loaded.config, timed=measure.mlxinfer_timed(loaded),
-                    engine=provenance.engine_info(loaded), model_info=provenance.loaded_model_info(loaded), **common)
+                    engine=engine, model_info=provenance.loaded_model_info(loaded), **common)
         if opts.peer == "mlx-lm":
             from ..kernels.patch import apply_kernels
 
@@ -144,7 +148,8 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
             _free()
             model, tokenizer, config, info = _load_peer(spec_, path, context)
             _run_engine(cases, model=model, config=config, timed=measure.mlx_lm_timed(model, tokenizer),
-                        engine=provenance.peer_engine_info(backend), model_info=info, **common)
+                        engine={**provenance.peer_engine_info(backend), "kernels_requested": None},
+                        model_info=info, **common)
             del model, tokenizer
         else:
             del loaded

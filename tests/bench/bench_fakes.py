@@ -13,7 +13,8 @@ SYSTEM = {"system": "Linux", "release": "6", "machine": "x86_64", "platform": "L
 
 def engine(name: str = "mlxinfer") -> dict:
     return {"name": name, "version": "0.1.0", "git_commit": "abc1234def", "git_dirty": False, "mlx": "0.32.4",
-            "mlx_lm": "0.32.2", "backend": "cpu", "kernels": "builtin", "kernels_detail": "MLX built-in kernels"}
+            "mlx_lm": "0.32.2", "backend": "cpu", "kernels": "builtin", "kernels_detail": "MLX built-in kernels",
+            "kernels_requested": "auto"}
 
 
 def model(name: str = "tiny") -> dict:

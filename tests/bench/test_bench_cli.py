@@ -32,6 +32,7 @@ def no_loading(monkeypatch):
     (["-r", "0"], "invalid repetitions 0"),
     (["--peer", "llama.cpp"], "unknown peer 'llama.cpp'"),
     (["--bandwidth", "-1"], "invalid bandwidth"),
+    (["--kernels", "fastest"], "unknown kernel mode"),
     (["-o", "/nonexistent-dir/out.json"], "folder /nonexistent-dir does not exist"),
     (["-o", "out.txt"], "unknown output 'out.txt'"),
     (["--compare", "/nonexistent-dir/base.json"], "cannot read baseline"),
@@ -71,11 +72,14 @@ def test_short_real_run_writes_json_then_compares(tmp_path, capsys, smollm2_dir)
     assert res["ttft_s"]["mean"] <= res["e2e_s"]["mean"]
     capsys.readouterr()
 
-    # Same workload again, compared against the saved run; stdout is not a terminal, so Markdown comes out.
+    # Same workload on real text, compared against the saved run; stdout is not a terminal: Markdown comes out.
+    text = tmp_path / "prompt.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 3)
     assert main(["bench", "-p", "16", "-n", "8", "-r", "1", "--warmup", "0", "--bandwidth", "50",
-                 "--compare", str(out)]) == 0
+                 "--prompt-file", str(text), "--compare", str(out)]) == 0
     md = capsys.readouterr().out
     assert "| smollm2 |" in md and "against the baseline" in md and "| smollm2 | pp16+tg8 | mlxinfer" in md
+    assert "prompt file prompt.txt (" in md
 
 
 @pytest.mark.slow
