@@ -273,8 +273,8 @@ class Session:
                     self._cache_tokens = known[:n]
                 else:
                     self.reset_cache()
-        if turn.interrupted and not turn.text.strip():
-            # Cut off before any text: keep no half exchange (two user turns in a row break some templates).
+        if turn.interrupted and (stats is None or stats.generation_tokens == 0):
+            # Cut off before the reply began: keep no half exchange (two user turns in a row break some templates).
             if self.messages and self.messages[-1]["role"] == "user":
                 self.messages.pop()
             turn.discarded = True

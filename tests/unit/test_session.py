@@ -1,0 +1,206 @@
+"""Session: KV cache reuse across turns, trims for /retry and /undo, interruption, context overflow, save/load.
+
+The model is a tiny random-weight llama with the real SmolLM2 tokenizer and chat template, so turns are fast and
+the cache can be checked exactly: after every action the cache must give the same next-token logits as a fresh
+prefill of the tokens the session says it holds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow  # imports the bundled GGUF once for its tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_dir):
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxinfer.engine.loader import LoadedModel
+    from mlxinfer.registry import ModelSpec
+
+    path = smollm2_dir
+    tok = load_tokenizer(path)
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                           vocab_size=tok.vocab_size, tie_word_embeddings=True)
+    net = llama.Model(args)
+    mx.eval(net.parameters())
+    return LoadedModel(model=net, tokenizer=tok, config={"max_position_embeddings": 4096}, path=path,
+                       spec=ModelSpec(name="tiny", kind="path", path=path), backend="cpu", dtype="float32",
+                       chat_template=tok.chat_template, eos_token_ids=set(tok.eos_token_ids or []))
+
+
+def make_session(tiny, **kw):
+    from mlxinfer.engine.sampling import SamplingParams
+    from mlxinfer.engine.session import Session
+
+    params = SamplingParams(temperature=0.0, max_tokens=kw.pop("max_tokens", 6))
+    return Session(tiny, params, **kw)
+
+
+def run(turn):
+    for _ in turn:
+        pass
+    return turn
+
+
+def assert_cache_consistent(session):
+    """The cache's next-token logits equal a fresh prefill of session._cache_tokens (then undo the probe)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    held = session._cache_tokens
+    assert session._cache is not None and held
+    assert all(c.offset == len(held) for c in session._cache)
+    probe = 42
+    warm = session.loaded.model(mx.array([[probe]]), cache=session._cache)[0, -1]
+    for c in session._cache:
+        c.trim(1)
+    cold = session.loaded.model(mx.array([held + [probe]]), cache=make_prompt_cache(session.loaded.model))[0, -1]
+    assert mx.allclose(warm, cold, atol=1e-4).item()
+
+
+def test_second_turn_prefills_only_new_tokens(tiny):
+    s = make_session(tiny, system="Be brief.")
+    t1 = run(s.send("What is the capital of France?"))
+    assert t1.reused == 0 and t1.stats.prompt_tokens == len(t1.tokens)
+    assert s.context_used == len(t1.tokens) + len(t1.stats.tokens)
+    t2 = run(s.send("And of Italy?"))
+    # Everything up to the end of the first reply came from the cache.
+    assert t2.reused >= len(t1.tokens) + len(t1.stats.tokens) - 2
+    assert t2.stats.prompt_tokens == len(t2.tokens) - t2.reused < len(t2.tokens) // 2
+    assert [m["role"] for m in s.messages] == ["user", "assistant", "user", "assistant"]
+    assert_cache_consistent(s)
+
+
+def test_retry_trims_to_the_prompt_and_regenerates(tiny):
+    s = make_session(tiny)
+    first = run(s.send("Hello there")).text
+    t = run(s.retry())
+    assert t.stats.prompt_tokens == 1  # only the last prompt token is fed again
+    assert t.text == first  # temperature 0
+    assert len(s.messages) == 2
+    assert_cache_consistent(s)
+
+
+def test_undo_drops_the_exchange_and_trims(tiny):
+    s = make_session(tiny)
+    run(s.send("One"))
+    run(s.send("Two"))
+    used = s.context_used
+    removed = s.undo()
+    assert removed == {"role": "user", "content": "Two"}
+    assert [m["content"] for m in s.messages][0] == "One" and len(s.messages) == 2
+    assert s.context_used < used
+    assert_cache_consistent(s)
+    t = run(s.send("Three"))
+    assert t.reused > 0
+    assert_cache_consistent(s)
+    assert s.undo() and s.undo() and s.undo() is None and s.messages == []
+
+
+def test_interrupted_reply_is_kept_and_cache_resynced(tiny):
+    s = make_session(tiny, max_tokens=40)
+    turn = s.send("Tell me a story")
+    for i, _ in enumerate(turn):
+        if i == 3:
+            turn.cancel()
+    assert turn.interrupted and turn.stats.finish_reason == "interrupted"
+    assert s.messages[-1] == {"role": "assistant", "content": turn.text, "interrupted": True}
+    assert turn.stats.generation_tokens < 40
+    assert_cache_consistent(s)
+    t2 = run(s.send("Go on"))
+    assert t2.reused > 0 and not t2.interrupted
+    assert_cache_consistent(s)
+
+
+def test_breaking_out_of_the_loop_also_interrupts(tiny):
+    s = make_session(tiny, max_tokens=40)
+    turn = s.send("Tell me a story")
+    it = iter(turn)
+    next(it)
+    next(it)
+    it.close()
+    assert turn.interrupted and s.messages[-1].get("interrupted")
+    assert_cache_consistent(s)
+
+
+def test_cancel_before_any_text_drops_the_message(tiny):
+    s = make_session(tiny)
+    run(s.send("First"))
+    turn = s.send("Second")
+    turn.cancel()
+    run(turn)
+    assert turn.discarded and [m["content"] for m in s.messages][0] == "First" and len(s.messages) == 2
+
+
+def test_context_overflow_drops_oldest_turns_keeps_system(tiny):
+    s = make_session(tiny, system="You are terse.", context=96, max_tokens=8)
+    dropped = 0
+    for i in range(8):
+        t = run(s.send(f"Question number {i} about something"))
+        dropped += t.dropped
+        assert len(t.tokens) + t.stats.generation_tokens <= 96
+    assert dropped > 0
+    assert s.messages[0]["role"] == "user"
+    assert s.messages[-2]["content"] == "Question number 7 about something"
+    assert "You are terse." in tiny.tokenizer.decode(s.render())
+    assert_cache_consistent(s)
+
+
+def test_message_longer_than_the_context_is_refused(tiny):
+    from mlxinfer.engine.session import SessionError
+
+    s = make_session(tiny, context=48)
+    with pytest.raises(SessionError, match="context"):
+        s.send("word " * 80)
+    assert s.messages == []
+
+
+def test_settings_are_validated(tiny):
+    from mlxinfer.errors import InvalidParameter
+
+    s = make_session(tiny)
+    assert s.set("temp", "0.5") == "temperature" and s.params.temperature == 0.5
+    assert s.set("seed", "none") == "seed" and s.params.seed is None
+    s.set("context", "512")
+    assert s.context_limit == 512
+    for name, value in [("temp", "abc"), ("temp", "-1"), ("top_p", "2"), ("context", "10"), ("context", "x"),
+                        ("nope", "1")]:
+        with pytest.raises(InvalidParameter):
+            s.set(name, value)
+    assert s.params.temperature == 0.5 and s.context_limit == 512
+
+
+def test_save_and_load_round_trip(tiny, tmp_path, monkeypatch):
+    from mlxinfer.engine import store
+    from mlxinfer.engine.session import Session, SessionError
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    s = make_session(tiny, system="Sys", context=256)
+    s.set("temp", "0.3")
+    run(s.send("Remember the word banana"))
+    path = store.save("notes-1", s.to_dict())
+    assert path == tmp_path / "mlxinfer" / "sessions" / "notes-1.json"
+    assert [p.name for p in path.parent.iterdir()] == ["notes-1.json"]  # no temp files left behind
+    assert store.names() == ["notes-1"]
+    data = store.load("notes-1")
+    back = Session.from_dict(data, tiny)
+    assert back.messages == s.messages and back.system == "Sys" and back.context_limit == 256
+    assert back.params == s.params and data["model"] == "tiny"
+    assert store.list_sessions()[0].messages == 2
+
+    with pytest.raises(SessionError, match="did you mean 'notes-1'"):
+        store.load("notes-2")
+    for bad in ("../x", ".hidden", "a b", ""):
+        with pytest.raises(SessionError):
+            store.save(bad, s.to_dict())
+    path.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(SessionError, match="not an mlxinfer session"):
+        store.load("notes-1")
