@@ -264,7 +264,8 @@ def depth_chart(records: list[dict], width: int = 40) -> list[str]:
         lines.append(f"decode tok/s vs depth: {model}, {engine}, pp{p}+tg{n}" + (f" x b{b}" if b > 1 else ""))
         for r, v in zip(rs, values):
             cells = v / top * width
-            bar = "█" * int(cells) + (" ▏▎▍▌▋▊▉"[int((cells - int(cells)) * 8)] if cells < width else "")
+            partial = " ▏▎▍▌▋▊▉"[int((cells - int(cells)) * 8)] if cells < width else ""
+            bar = "█" * int(cells) + partial
             lines.append(f"  {'d' + str(r['workload']['depth']):>{label_w}} {bar.rstrip():<{width}} {v:.2f}")
     return lines
 

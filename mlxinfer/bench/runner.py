@@ -67,9 +67,9 @@ class BenchOptions:
                 Path(self.prompt_file).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise InvalidParameter(f"cannot read prompt file {self.prompt_file}: {e}") from None
-        for n, name in ((min(self.prompts, default=1), "prompt length"), (min(self.gens, default=1), "generation length")):
-            if n < 1:
-                raise InvalidParameter(f"invalid {name} {n}: must be a positive integer")
+        for values, name in ((self.prompts, "prompt length"), (self.gens, "generation length")):
+            if min(values, default=1) < 1:
+                raise InvalidParameter(f"invalid {name} {min(values)}: must be a positive integer")
         if min(self.depths, default=0) < 0 or min(self.prefixes, default=1) < 1:
             raise InvalidParameter("depths must be >= 0 and prefix lengths >= 1")
         if self.batches is not None and min(self.batches, default=1) < 1:
@@ -182,7 +182,8 @@ def _prompt_source(loaded, opts: BenchOptions) -> PromptSource:
         return PromptSource(int(vocab), opts.seed)
     text = Path(opts.prompt_file).read_text(encoding="utf-8")
     tokens = loaded.tokenizer.encode(text, add_special_tokens=False)
-    return PromptSource(int(vocab), opts.seed, tokens, label=f"file {Path(opts.prompt_file).name} ({len(tokens)} tokens)")
+    label = f"file {Path(opts.prompt_file).name} ({len(tokens)} tokens)"
+    return PromptSource(int(vocab), opts.seed, tokens, label=label)
 
 
 class _Ticker:
@@ -208,7 +209,10 @@ def _run_engine(cases, *, model, config, timed, engine, model_info, hardware, sy
         for _ in range(opts.repetitions):
             samples.append(_measure(case, model, timed, source, shared))
             ticker(what)
-        results = _prefix_results(samples) if case.kind == "prefix" else _decode_results(case, samples, weights, hardware)
+        if case.kind == "prefix":
+            results = _prefix_results(samples)
+        else:
+            results = _decode_results(case, samples, weights, hardware)
         emit(_record(case, engine, model_info, hardware, system, source, opts, results))
         del shared
         _free()

@@ -15,7 +15,8 @@ LIST_HELP = "llama-bench syntax: 512 | 128,256 | 128-512+128 | 64-1024*2"
 
 def bench_cmd(
     models: Annotated[Optional[List[str]], typer.Argument(
-        help="Models to benchmark (aliases, org/name or org/name@rev, MLX directories, .gguf files); default: the default alias."
+        help="Models to benchmark: aliases, org/name or org/name@rev, MLX directories, .gguf files "
+        "(default: the default alias)."
     )] = None,
     n_prompt: Annotated[str, typer.Option("--n-prompt", "-p", help=f"Prompt lengths. {LIST_HELP}")] = "512",
     n_gen: Annotated[str, typer.Option("--n-gen", "-n", help="Generation lengths (EOS ignored).")] = "128",
