@@ -21,8 +21,11 @@ MAX_L = 8  # query tokens per attention launch
 MAX_D = 256
 QMV_THREADS = 64  # 2 simdgroups
 QMV_ROWS_PER_TG = 8  # 2 simdgroups x 4 rows
-SPLIT_ABOVE = 1024  # keys: longer contexts use the split-K two-pass attention
-SPLIT_BLOCK = 512  # keys per split in the first pass
+# Split-K: one threadgroup per (kv head, row chunk) is too few to fill a GPU (8 for a Llama-8B decode step), so
+# longer contexts split the keys until about TARGET_THREADGROUPS run, each split seeing at least MIN_SPLIT_KEYS.
+SINGLE_PASS_KEYS = 256
+MIN_SPLIT_KEYS = 64
+TARGET_THREADGROUPS = 128
 MAX_SPLITS = 64
 
 
@@ -134,18 +137,21 @@ def _causal(mask) -> bool:
     return isinstance(mask, str) and mask == "causal"
 
 
-def choose_splits(s: int) -> int:
-    return 1 if s <= SPLIT_ABOVE else min(MAX_SPLITS, -(-s // SPLIT_BLOCK))
+def choose_splits(s: int, groups: int) -> int:
+    """Key splits for ``s`` keys when ``groups`` threadgroups (kv heads x row chunks) run per split."""
+    if s <= SINGLE_PASS_KEYS:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-s // MIN_SPLIT_KEYS), -(-TARGET_THREADGROUPS // groups)))
 
 
 def _attention(kind: str, q, kv_inputs, kv_template, s: int, hkv: int, scale: float, causal: bool,
                run: Runner, nsplit: Optional[int]) -> mx.array:
     b, hq, l, d = q.shape
-    nsplit = nsplit or choose_splits(s)
-    block = -(-s // nsplit)
-    nsplit = -(-s // block)  # no empty trailing splits
     rows = hq // hkv * l
     qr = min(8, 1 << (rows - 1).bit_length())  # query rows per threadgroup: 1, 2, 4 or 8
+    nsplit = nsplit or choose_splits(s, b * hkv * -(-rows // qr))
+    block = -(-s // nsplit)
+    nsplit = -(-s // block)  # no empty trailing splits
     nsg = max(4, -(-d // 32))
     split = nsplit > 1
     out_rows = b * hq * l

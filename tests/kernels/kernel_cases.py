@@ -35,9 +35,9 @@ SDPA = [
     (1, 2, 2, 1, 64, 1, F32, None, None),  # one key, GQA 1
     (1, 4, 2, 1, 80, 31, F16, None, None),  # GQA 2, head dim 80
     (2, 4, 1, 3, 96, 33, BF16, "causal", None),  # GQA 4, batch 2, 3 queries
-    (1, 8, 1, 1, 128, 1000, F16, None, None),  # GQA 8, 1000 keys
+    (1, 8, 1, 1, 128, 1000, F16, None, 1),  # GQA 8, 1000 keys in a single pass
     (1, 2, 1, 8, 64, 40, BF16, "causal", None),  # 8 queries (16 rows: two threadgroups per kv head)
-    (1, 2, 1, 1, 256, 4097, F32, None, None),  # long context: split-K two-pass path
+    (1, 2, 1, 1, 256, 4097, F32, None, None),  # long context: split-K two-pass path (64 splits)
     (1, 6, 2, 2, 64, 33, F32, "causal", 3),  # GQA 3, forced two-pass on a short cache
 ]
 # (B, Hq, Hkv, L, D, S, dtype, mask, group size, bits, forced splits)
