@@ -1,13 +1,13 @@
 """Import a GGUF file as a plain MLX model directory (config.json, model.safetensors, tokenizer files).
 
-- Q4_0, Q4_1 and Q8_0 blocks map exactly onto MLX affine quantization with group size 32: the nibbles/bytes
-  are repacked, ``scale = d`` and ``bias = m`` (Q4_1), ``-8·d`` (Q4_0) or ``-128·d`` (Q8_0, stored unsigned).
-- Q4_K's 32-weight sub-blocks are affine too: repacked as MLX 4-bit with scale ``d·sc`` and bias ``-dmin·m``
-  rounded to float16 (our own decoding: ``mx.load``'s Q4_K values were measured wrong).
+- Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 repack bit for bit onto MLX affine quantization (group size 32), Q4_K/Q5_K up to
+  float16 rounding of their per-32 scales (``gguf_quants``).
 - Other K-quants, IQ and block types are dequantized by the ``gguf`` package and re-quantized with
   ``mx.quantize`` (group size 32) at the closest MLX bit width; F32/F16/BF16 matrices are kept as they are.
 - llama.cpp permutes the rows of Q/K projections of llama-family models for its interleaved RoPE; we undo that
   so the result has the Hugging Face layout and runs with mlx-lm's default (non-traditional) RoPE.
+- The tokenizer is rebuilt from the metadata (``gguf_tokenizer``); ``general.*`` lands in config.json's
+  "mlxinfer" section for the chat header.
 The result is written once per file content (sha256) under the cache directory, atomically.
 """
 
@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import InvalidModel
 from .gguf_file import GgufTensor, read_gguf
+from .gguf_quants import REPACK_BITS, repack
 from .gguf_tokenizer import check_tokenizer, write_tokenizer
 
 IMPORT_VERSION = 3
@@ -44,11 +45,10 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
-_EXACT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # repacked bit for bit; value: MLX bits
 _FLOAT = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 # Types the gguf package dequantizes, with the MLX bit width we re-quantize them to (at least their bits/weight).
 _REQUANT_BITS = {
-    "Q5_0": 5, "Q5_1": 5, "Q2_K": 3, "Q3_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ1_S": 2, "IQ1_M": 2,
+    "Q2_K": 3, "Q3_K": 4, "Q6_K": 6, "IQ1_S": 2, "IQ1_M": 2,
     "IQ2_XXS": 3, "IQ2_XS": 3, "IQ2_S": 3, "IQ3_XXS": 4, "IQ3_S": 4, "IQ4_NL": 4, "IQ4_XS": 4, "TQ1_0": 2,
     "TQ2_0": 2, "MXFP4": 4, "NVFP4": 4,
 }
@@ -118,50 +118,6 @@ def _hf_name(gguf_name: str) -> str | None:
         return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
     mapped = _GLOBAL_NAMES.get(base)
     return f"{mapped}.{suffix}" if mapped else None
-
-
-def _compact_nibbles(x: np.ndarray) -> np.ndarray:
-    """uint64 holding 8 bytes < 16 -> uint32 whose nibble i is byte i (MLX's 4-bit element order)."""
-    x = (x | (x >> np.uint64(4))) & np.uint64(0x00FF00FF00FF00FF)
-    x = (x | (x >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
-    return ((x | (x >> np.uint64(16))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-
-
-def _repack_exact(kind: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF blocks (rows, n_blocks * block_bytes) -> MLX (packed uint32, scales f16, biases f16)."""
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    blocks = raw.reshape(-1, block_bytes)  # (rows * n_blocks, block_bytes)
-    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).reshape(rows, -1)  # (rows, n_blocks)
-    if kind == "Q8_0":
-        # int8 -> uint8 by flipping the sign bit (q + 128); 4 bytes per uint32, element 0 lowest
-        packed = (np.ascontiguousarray(blocks[:, 2:]) ^ np.uint8(0x80)).view(np.uint32).reshape(rows, -1)
-        return packed, d, (d.astype(np.float32) * -128).astype(np.float16)
-    # GGUF: qs byte j holds element j (low nibble) and j+16 (high nibble); MLX: uint32 k holds 8k..8k+7.
-    qs = np.ascontiguousarray(blocks[:, block_bytes - 16:]).view(np.uint64)  # (rows * n_blocks, 2)
-    lo = qs & np.uint64(0x0F0F0F0F0F0F0F0F)
-    hi = (qs >> np.uint64(4)) & np.uint64(0x0F0F0F0F0F0F0F0F)
-    packed = np.concatenate([_compact_nibbles(lo), _compact_nibbles(hi)], axis=1).reshape(rows, -1)
-    if kind == "Q4_1":
-        return packed, d, np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).reshape(rows, -1)
-    return packed, d, (d.astype(np.float32) * -8).astype(np.float16)
-
-
-def _repack_q4k(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K -> MLX 4-bit, group 32. Each 32-weight sub-block of a Q4_K super-block is already affine,
-    ``d·sc·q - dmin·m`` with q in 0..15, so only the per-group scale and bias are rounded (to float16)."""
-    blocks = raw.reshape(-1, 144)  # (rows * n_super, 144): d f16, dmin f16, 12 scale bytes, 128 nibble bytes
-    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)  # (n, 1)
-    dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
-    sc6 = blocks[:, 4:16].reshape(-1, 3, 4)  # 6-bit scales and mins, packed as in ggml's get_scale_min_k4
-    lo, mid, hi = sc6[:, 0], sc6[:, 1], sc6[:, 2]
-    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=1).astype(np.float32)  # (n, 8)
-    mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=1).astype(np.float32)
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 32 bytes: low nibbles = sub-block 2c, high = 2c+1
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)  # (n, 256) in element order
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).reshape(rows, -1).view(np.uint32)
-    scales = (d * sc).astype(np.float16).reshape(rows, -1)  # (rows, n_groups)
-    biases = (-(dmin * mn)).astype(np.float16).reshape(rows, -1)
-    return packed, scales, biases
 
 
 def _unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
@@ -279,11 +235,11 @@ def _convert_tensor(t: GgufTensor, perm: np.ndarray | None, path: Path):
     import mlx.core as mx
 
     rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
-    if t.kind in _EXACT or t.kind == "Q4_K":
-        w, s, b = _repack_q4k(t.data, rows) if t.kind == "Q4_K" else _repack_exact(t.kind, t.data, rows)
+    if t.kind in REPACK_BITS:
+        w, s, b = repack(t.kind, t.data, rows)
         if perm is not None:
             w, s, b = w[perm], s[perm], b[perm]
-        return {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}, _EXACT.get(t.kind, 4)
+        return {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}, REPACK_BITS[t.kind]
     if t.kind in _FLOAT:
         arr = t.data.view(_FLOAT[t.kind]).reshape(t.shape)
         if perm is not None:
@@ -318,7 +274,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
         raise InvalidModel(
             f"{path.name}: unsupported GGUF architecture '{arch}'", hint=f"supported: {', '.join(sorted(_ARCHS))}")
     for t in g.tensors:  # fail before any work
-        if t.kind not in _EXACT and t.kind not in _FLOAT and t.kind not in _REQUANT_BITS and t.kind != "Q4_K":
+        if t.kind not in REPACK_BITS and t.kind not in _FLOAT and t.kind not in _REQUANT_BITS:
             raise InvalidModel(f"{path.name}: unsupported GGUF tensor type {t.kind} in '{t.name}'",
                                hint="re-export the model as Q8_0, Q4_0, Q4_K or F16")
     check_tokenizer(g.meta)  # before the slow part

@@ -150,7 +150,7 @@ def mlx_dequant(w: dict, prefix: str, bits: int) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("qtype,bits", [(QT.Q4_0, 4), (QT.Q4_1, 4), (QT.Q8_0, 8)])
+@pytest.mark.parametrize("qtype,bits", [(QT.Q4_0, 4), (QT.Q4_1, 4), (QT.Q8_0, 8), (QT.Q5_0, 5), (QT.Q5_1, 5)])
 def test_exact_types_repack_bit_for_bit(tmp_path, qtype, bits):
     weights = hf_weights()
     model_dir = import_gguf(write_gguf(tmp_path / "m.gguf", weights, qtype))
@@ -173,19 +173,20 @@ def _random_kquant(rng, shape: tuple[int, int], qtype) -> np.ndarray:
     n_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
     raw = rng.integers(0, 256, (shape[0] * shape[1] // 256, n_bytes), dtype=np.uint8)
     half = lambda v: np.full(len(raw), v, np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
-    if qtype == QT.Q4_K:
+    if qtype in (QT.Q4_K, QT.Q5_K):
         raw[:, 0:2], raw[:, 2:4] = half(0.002), half(0.001)  # d, dmin
     else:  # Q6_K: d is the last field
         raw[:, -2:] = half(0.0005)
     return raw.reshape(shape[0], -1)
 
 
-def test_f16_kept_and_k_quants_converted_within_tolerance(tmp_path):
+@pytest.mark.parametrize("kquant,bits", [(QT.Q4_K, 4), (QT.Q5_K, 5)])
+def test_f16_kept_and_k_quants_converted_within_tolerance(tmp_path, kquant, bits):
     weights = hf_weights()
     rng = np.random.default_rng(1)
     q4k, q6k = "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"  # in = 256
-    raw = {q4k: _random_kquant(rng, weights[q4k].shape, QT.Q4_K), q6k: _random_kquant(rng, weights[q6k].shape, QT.Q6_K)}
-    types = {hf: (QT.Q4_K if hf == q4k else QT.Q6_K, blocks) for hf, blocks in raw.items()}
+    raw = {q4k: _random_kquant(rng, weights[q4k].shape, kquant), q6k: _random_kquant(rng, weights[q6k].shape, QT.Q6_K)}
+    types = {hf: (kquant if hf == q4k else QT.Q6_K, blocks) for hf, blocks in raw.items()}
     model_dir = import_gguf(write_gguf(tmp_path / "m.gguf", weights, QT.F16, types=types))
     w = load_weights(model_dir)
     q_proj = "model.layers.1.self_attn.q_proj.weight"
@@ -193,13 +194,13 @@ def test_f16_kept_and_k_quants_converted_within_tolerance(tmp_path):
     assert np.array_equal(np.array(w[q_proj]), weights[q_proj].astype(np.float16))
     assert np.array_equal(np.array(w["model.norm.weight"]), weights["model.norm.weight"])
 
-    # Q4_K: each 32-weight sub-block is affine (d*sc*q - dmin*m), repacked with the same q; only the scale and
-    # bias are rounded to float16 (relative error <= 2^-11 each), so |error| <= (15 * scale + |bias|) * 2^-11
-    source = gguf.quants.dequantize(raw[q4k], QT.Q4_K).reshape(-1, 32)
-    got = mlx_dequant(w, q4k.removesuffix(".weight"), 4).reshape(-1, 32)
+    # Q4_K/Q5_K: each 32-weight sub-block is affine (d*sc*q - dmin*m), repacked with the same q; only the scale
+    # and bias are rounded to float16 (relative error <= 2^-11 each): |error| <= (q_max * scale + |bias|) * 2^-11
+    source = gguf.quants.dequantize(raw[q4k], kquant).reshape(-1, 32)
+    got = mlx_dequant(w, q4k.removesuffix(".weight"), bits).reshape(-1, 32)
     scale = np.abs(np.array(w[q4k.replace("weight", "scales")].astype(mx.float32))).reshape(-1)
     bias = np.abs(np.array(w[q4k.replace("weight", "biases")].astype(mx.float32))).reshape(-1)
-    bound = (15 * scale + bias) * 2**-11 + 1e-9
+    bound = ((2**bits - 1) * scale + bias) * 2**-11 + 1e-9
     assert (np.abs(got - source).max(axis=1) <= bound).all()
 
     # Q6_K (16-weight sub-blocks, no MLX equivalent): dequantized and re-quantized to 6 bits, group 32.
@@ -214,7 +215,7 @@ def test_f16_kept_and_k_quants_converted_within_tolerance(tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     quant = config["quantization"]
     assert quant.get("model.layers.1.mlp.down_proj", quant)["bits"] == 6
-    assert quant.get("model.layers.0.mlp.down_proj", quant)["bits"] == 4
+    assert quant.get("model.layers.0.mlp.down_proj", quant)["bits"] == bits
     from mlx_lm import load
 
     model, _ = load(str(model_dir))  # the mixed F16 / 4-bit / 6-bit directory loads and runs
