@@ -38,7 +38,7 @@ def convert_cmd(
                                                                               "(default: on for small models).",
                                                      show_default=False)] = None,
     eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="Tokens of the built-in sample to "
-                                                                             "compare (default 2048; 256 on CPU).")] = None,
+                                                                             "compare (default 2048; 128 on CPU).")] = None,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest weight file; bounds peak memory.")] = "1GB",
     revision: Annotated[Optional[str], typer.Option("--revision", help="Hub branch, tag or commit.")] = None,
     alias: Annotated[Optional[str], typer.Option("--alias", help="Add the result to your models.toml as NAME.")] = None,

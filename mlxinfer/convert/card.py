@@ -60,6 +60,17 @@ def check_alias(name: str) -> None:
         raise InvalidParameter(f"alias '{name}' may only use letters, digits, '-' and '_'")
 
 
+def check_alias_free(name: str, replace: bool, user_file: Path | None = None) -> None:
+    """Refuse a malformed alias, or one that exists already unless ``replace`` (checked before converting)."""
+    from ..registry import Registry
+
+    check_alias(name)
+    registry = Registry.load(user_file)
+    if name in registry.aliases() and not replace:
+        raise InvalidParameter(f"alias '{name}' already exists (in {registry.origin(name)})",
+                               hint="pick another --alias, or add --force to replace it")
+
+
 def _remove_table(text: str, alias: str) -> str:
     """Drop the ``[models.ALIAS]`` table (header to the next table header) from TOML text."""
     header = re.compile(rf'^\s*\[\s*models\s*\.\s*("{re.escape(alias)}"|{re.escape(alias)})\s*\]\s*(#.*)?$')
@@ -88,13 +99,9 @@ def add_alias(name: str, path: Path, *, description: str = "", quant: str = "", 
     """
     from ..registry import Registry, user_registry_path
 
-    check_alias(name)
     user_file = user_file or user_registry_path()
+    check_alias_free(name, replace, user_file)
     text = user_file.read_text() if user_file.exists() else ""
-    registry = Registry.load(user_file)
-    if name in registry.aliases() and not replace:
-        raise InvalidParameter(f"alias '{name}' already exists (in {registry.origin(name)})",
-                               hint="pick another --alias, or add --force to replace it")
     if replace:
         text = _remove_table(text, name)
     if text and not text.endswith("\n"):

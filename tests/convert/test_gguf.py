@@ -1,0 +1,57 @@
+"""GGUF sources go through the foundation's import; with no quantization options the result equals it exactly."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from mlxinfer.convert import ConvertOptions, convert
+
+
+def _tensors(d):
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(mx.load(str(f)))
+    return out
+
+
+@pytest.mark.slow
+def test_gguf_q8_0_and_q4_1_equal_the_direct_import(bundled_gguf, smollm2_dir, tmp_path, monkeypatch):
+    import gguf
+
+    kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(bundled_gguf)).tensors}
+    assert {"Q8_0", "Q4_1"} <= kinds  # the bundled file holds both block types (token_embd is Q8_0)
+    # an empty import cache: convert must run the import itself (into its temp dir), not copy the cached one
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path / "cache"))
+    r = convert(str(bundled_gguf), tmp_path / "out", ConvertOptions(eval=False, shard_bytes=40 << 20))
+    assert len(r.shards) >= 2
+    assert not list((tmp_path / "cache").glob("gguf/*-v*"))  # the import went to the temp dir, not the cache
+    assert not list((tmp_path / "out").glob("_gguf*"))
+    ours, direct = _tensors(r.out_dir), _tensors(smollm2_dir)
+    assert set(ours) == set(direct)
+    for k in direct:
+        assert ours[k].dtype == direct[k].dtype and mx.array_equal(ours[k], direct[k]).item(), k
+    cfg, ref = (json.loads((d / "config.json").read_text()) for d in (r.out_dir, smollm2_dir))
+    assert cfg["quantization"] == ref["quantization"]
+    assert cfg["mlxinfer"]["converted"]["format"] == "gguf"
+    assert (r.out_dir / "tokenizer.json").read_bytes() == (smollm2_dir / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.slow
+def test_gguf_requantize_to_8_bit_with_quality(bundled_gguf, tmp_path):
+    r = convert(str(bundled_gguf), tmp_path / "q8", ConvertOptions(bits=8, eval_tokens=8))
+    q = json.loads((r.out_dir / "config.json").read_text())["quantization"]
+    assert q == {"group_size": 64, "bits": 8, "mode": "affine"}
+    # 8-bit of a 4-bit source: nearly the same distributions as the imported GGUF
+    assert r.quality.kl_mean < 0.01 and r.quality.top1_agreement > 0.9
+    from mlxinfer import load
+    from mlxinfer.engine.generate import chat_prompt, generate
+    from mlxinfer.engine.sampling import SamplingParams
+
+    loaded = load(str(r.out_dir), kernels="builtin")
+
+    tokens = chat_prompt(loaded, [{"role": "user", "content": "What is the capital of France?"}])
+    text = generate(loaded, tokens, SamplingParams(temperature=0.0, max_tokens=8))
+    assert "Paris" in text

@@ -1,0 +1,79 @@
+"""Recipe rules: layer selectors, matching, TOML parsing and validation (no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxinfer.convert import recipes as R
+from mlxinfer.errors import ConfigError, InvalidParameter
+
+
+def test_selectors_follow_llama_cpp():
+    # llama.cpp's use_more_bits for 32 layers: first/last 4, and every third layer in between
+    sensitive = [i for i in range(32) if R.layer_selected("sensitive", i, 32)]
+    assert sensitive == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [i for i in range(32) if R.layer_selected("edges", i, 32)] == [0, 1, 2, 3, 28, 29, 30, 31]
+    assert [i for i in range(4) if R.layer_selected("first", i, 4)] == [0]  # at least one layer
+    assert [i for i in range(4) if R.layer_selected("last", i, 4)] == [3]
+    assert [i for i in range(10) if R.layer_selected([0, -1], i, 10)] == [0, 9]
+    assert [i for i in range(10) if R.layer_selected("2-4", i, 10)] == [2, 3, 4]
+    assert not R.layer_selected("first", None, 10)  # lm_head / embeddings have no layer
+
+
+def test_matching_and_first_rule_wins():
+    recipe = R.parse_recipe({
+        "default": {"bits": 4},
+        "rule": [
+            {"match": "model.layers.*.mlp.down_proj", "layers": [0], "bits": 8},
+            {"match": "down_proj", "bits": 6},
+            {"match": "q_proj", "quantize": False},
+        ],
+    }, "t.toml")
+    s = R.setting_for
+    assert s(recipe, "model.layers.0.mlp.down_proj", 4).bits == 8
+    assert s(recipe, "model.layers.1.mlp.down_proj", 4).bits == 6
+    assert s(recipe, "model.layers.1.self_attn.q_proj", 4) is None
+    assert s(recipe, "model.layers.1.self_attn.k_proj", 4) == R.QuantSetting(4, 64)
+    assert not R.path_matches("proj", "model.layers.1.self_attn.q_proj")  # a bare name matches whole parts
+
+
+def test_builtin_recipes_keep_embeddings_and_head_high():
+    for name in ("mixed_2_6", "mixed_3_6", "mixed_4_6"):
+        r = R.BUILTIN[name]
+        R.validate(r)
+        low = int(name.split("_")[1])
+        assert R.setting_for(r, "model.embed_tokens", 24).bits == 6
+        assert R.setting_for(r, "lm_head", 24).bits == 6
+        assert R.setting_for(r, "model.layers.0.self_attn.v_proj", 24).bits == 6
+        assert R.setting_for(r, "model.layers.10.self_attn.v_proj", 24).bits == low
+        assert R.setting_for(r, "model.layers.0.self_attn.q_proj", 24).bits == low
+
+
+def test_overrides():
+    r = R.BUILTIN["mixed_4_6"].with_overrides(None, 32, None)
+    assert r.default == R.QuantSetting(4, 32) and R.setting_for(r, "lm_head", 8) == R.QuantSetting(6, 32)
+    assert R.uniform(None, None, "mxfp4").default == R.QuantSetting(4, 32, "mxfp4")
+    assert R.uniform(8, None, None).default == R.QuantSetting(8, 64)
+
+
+@pytest.mark.parametrize("doc, match", [
+    ({"default": {"bits": "four"}}, "integer"),
+    ({"rule": [{"bits": 4}]}, "needs match"),
+    ({"rule": [{"match": "x", "layers": "middle"}]}, "layers must be"),
+    ({"rule": [{"match": "x", "colour": "red"}]}, "unknown key"),
+    ({"rules_typo": []}, "unknown key"),
+])
+def test_bad_toml_recipes(doc, match):
+    with pytest.raises(ConfigError, match=match):
+        R.parse_recipe(doc, "bad.toml")
+
+
+def test_validation_of_rule_settings(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('[[rule]]\nmatch = "lm_head"\nbits = 7\n')
+    with pytest.raises(InvalidParameter, match="rule 1"):
+        R.validate(R.load_recipe(str(f)))
+    f.write_text('[[rule]]\nmatch = "lm_head"\nbits = [\n')
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        R.load_recipe(str(f))
+    assert "affine" in R.available_modes()

@@ -1,0 +1,190 @@
+"""Atomic output, --force, disk check, refusing pickle and remote code, --alias, the CLI, a fake-Hub source."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from mlxinfer.convert import ConvertOptions, InsufficientDisk, OutputExists, PickleRefused, convert
+from mlxinfer.errors import InvalidModel, InvalidParameter
+
+
+def _leftovers(parent: Path, name: str) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}."))
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_failure_mid_write_leaves_nothing(llama_src, tmp_path, exc):
+    seen = []
+
+    def boom(name: str) -> None:
+        seen.append(name)
+        if len(seen) == 20:
+            raise exc("injected")
+
+    with pytest.raises(exc):
+        convert(str(llama_src), tmp_path / "out", ConvertOptions(bits=4, shard_bytes=20_000, eval=False),
+                after_tensor=boom)
+    assert len(seen) == 20  # it failed after several shards had been written
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_existing_output_is_never_touched_without_force(llama_src, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExists, match="--force"):
+        convert(str(llama_src), out, ConvertOptions(bits=4, eval=False))
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # a failing --force run leaves the old directory as it was
+    with pytest.raises(RuntimeError):
+        convert(str(llama_src), out, ConvertOptions(bits=4, eval=False, force=True),
+                after_tensor=lambda name: (_ for _ in ()).throw(RuntimeError("injected")))
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    r = convert(str(llama_src), out, ConvertOptions(bits=4, eval=False, force=True))
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists() and r.out_dir == out
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_disk_space_is_checked_first(llama_src, tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1 << 20))
+    with pytest.raises(InsufficientDisk, match="GB needed"):
+        convert(str(llama_src), tmp_path / "out", ConvertOptions(bits=4, eval=False))
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_pickle_checkpoints_are_refused(llama_src, tmp_path):
+    src = tmp_path / "pt"
+    src.mkdir()
+    shutil.copy(llama_src / "config.json", src / "config.json")
+    (src / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(PickleRefused, match="never loads pickle"):
+        convert(str(src), tmp_path / "out")
+    with pytest.raises(PickleRefused):
+        convert(str(src / "pytorch_model.bin"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_remote_code_is_refused(llama_src, tmp_path):
+    src = tmp_path / "remote"
+    shutil.copytree(llama_src, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "modeling_custom.py").write_text("raise SystemExit('remote code ran')\n")
+    config.update(model_type="custom_thing", auto_map={"AutoModelForCausalLM": "modeling_custom.Custom"})
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidModel, match="remote code"):
+        convert(str(src), tmp_path / "out")
+    config.update(model_type="llama", model_file="modeling_custom.py")
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidModel, match="never runs code"):
+        convert(str(src), tmp_path / "out")
+
+
+def test_python_files_are_not_copied(llama_src, tmp_path):
+    src = tmp_path / "withpy"
+    shutil.copytree(llama_src, src)
+    (src / "modeling_extra.py").write_text("x = 1\n")
+    r = convert(str(src), tmp_path / "out", ConvertOptions(bits=8, eval=False))
+    assert not list(r.out_dir.glob("*.py"))
+
+
+@pytest.mark.parametrize("opts, match", [
+    (dict(bits=7), "7 bits"),
+    (dict(group_size=48), "group size 48"),
+    (dict(mode="mxfp4", bits=8), "mxfp4.*needs 4 bits"),
+    (dict(mode="nonsense"), "not supported by this MLX"),
+    (dict(recipe="mixed_9_9"), "unknown recipe"),
+    (dict(bits=4, dequantize=True), "cannot be combined"),
+    (dict(dtype="float64"), "float64"),
+])
+def test_bad_options_fail_before_any_work(llama_src, tmp_path, opts, match):
+    with pytest.raises(InvalidParameter, match=match):
+        convert(str(llama_src), tmp_path / "out", ConvertOptions(**opts))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dequantize_needs_a_quantized_source(llama_src, tmp_path):
+    with pytest.raises(InvalidParameter, match="not quantized"):
+        convert(str(llama_src), tmp_path / "out", ConvertOptions(dequantize=True))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mxfp4_mode(llama_src, tmp_path):
+    from mlxinfer.convert.recipes import available_modes
+
+    if "mxfp4" not in available_modes():
+        pytest.skip("this MLX has no mxfp4")
+    r = convert(str(llama_src), tmp_path / "out", ConvertOptions(mode="mxfp4", eval_tokens=128))
+    q = json.loads((r.out_dir / "config.json").read_text())["quantization"]
+    assert q == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    assert r.quality.kl_mean < 3.0
+
+
+def test_cli_convert_alias_and_errors(llama_src, tmp_path, monkeypatch, capsys):
+    from mlxinfer.cli.main import main
+    from mlxinfer.registry import Registry
+
+    user = tmp_path / "models.toml"
+    user.write_text("# my models\n[models.other]\nhub = \"org/other\"  # keep me\n")
+    monkeypatch.setenv("MLXINFER_MODELS", str(user))
+    out = tmp_path / "conv"
+    rc = main(["convert", str(llama_src), "-o", str(out), "--recipe", "mixed_4_6", "--eval-tokens", "64",
+               "--alias", "tiny4", "--shard-size", "100KB"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "bits per weight" in captured.out and "KL divergence" in captured.out and "tiny4" in captured.out
+    text = user.read_text()
+    assert text.startswith("# my models\n[models.other]\nhub = \"org/other\"  # keep me\n")
+    reg = Registry.load()
+    assert reg.resolve("tiny4").path == out and reg.resolve("other").repo == "org/other"
+    # an existing alias or output is refused (exit 2, one line), and --force replaces both
+    rc = main(["convert", str(llama_src), "-o", str(tmp_path / "conv2"), "--bits", "8", "--no-eval",
+               "--alias", "tiny4"])
+    assert rc == 2 and "already exists" in capsys.readouterr().err
+    assert not (tmp_path / "conv2").exists()
+    rc = main(["convert", str(llama_src), "-o", str(out), "--bits", "8", "--no-eval"])
+    assert rc == 2 and "--force" in capsys.readouterr().err
+    rc = main(["convert", str(llama_src), "-o", str(tmp_path / "conv2"), "--bits", "8", "--no-eval",
+               "--alias", "tiny4", "--force"])
+    assert rc == 0
+    assert Registry.load().resolve("tiny4").path == tmp_path / "conv2"
+    assert user.read_text().count("[models.tiny4]") == 1
+    # the alias is a source too: converting it again works through the registry
+    rc = main(["convert", "tiny4", "-o", str(tmp_path / "conv3"), "--dequantize", "--no-eval"])
+    assert rc == 0, capsys.readouterr().err
+    import mlxinfer
+
+    assert mlxinfer.load("tiny4", kernels="builtin").quantization.startswith("8-bit")
+
+
+def test_fake_hub_source(llama_src, tmp_path, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "hub"))
+    fakehub = pytest.importorskip("fakehub")
+    for var in ("HF_HUB_OFFLINE", "HF_TOKEN", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    hub = fakehub.FakeHub()
+    files = {p.name: p for p in llama_src.iterdir()}
+    files["pytorch_model.bin"] = b"pickle bytes that must never be downloaded"
+    files["modeling_x.py"] = b"raise SystemExit"
+    repo = hub.add_repo("org/tiny-llama", files, revisions=("main",))
+    hub.start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    try:
+        r = convert("org/tiny-llama", tmp_path / "out", ConvertOptions(bits=4, eval_tokens=64))
+    finally:
+        hub.stop()
+    sha = repo.revisions["main"]
+    assert r.source.repo == "org/tiny-llama" and r.source.revision == sha
+    config = json.loads((r.out_dir / "config.json").read_text())
+    assert config["mlxinfer"]["converted"]["revision"] == sha
+    card = (r.out_dir / "README.md").read_text()
+    assert "base_model: org/tiny-llama" in card and sha in card
+    fetched = {p.rsplit("/", 1)[-1] for m, p in hub.requests if "/resolve/" in p}
+    assert "pytorch_model.bin" not in fetched and "modeling_x.py" not in fetched
