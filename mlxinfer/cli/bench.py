@@ -46,6 +46,10 @@ def bench_cmd(
         "--bandwidth", help="Peak memory bandwidth in GB/s (default: Apple's table, or a cached copy probe)."
     )] = None,
     kernels: o.Kernels = "auto",
+    microbench: Annotated[bool, typer.Option(
+        "--microbench", help="Time the custom kernels against MLX's built-ins at 1B-8B decode shapes instead "
+        "(MODELS: shape sets; -b: rows, -d: attention contexts, -r: timed evaluations)."
+    )] = False,
 ):
     """Benchmark local inference: prefill and decode separately, TTFT, per-token latency, memory, bandwidth."""
     from ..bench import report
@@ -53,6 +57,10 @@ def bench_cmd(
     from ..bench.workload import parse_int_list
     from ..registry import Registry
 
+    if microbench:
+        return _microbench(models or [], n_depth, batch, repetitions, output, bandwidth,
+                           unused={"--peer": peer, "--prefix-cache": prefix_cache, "--compare": compare,
+                                   "--prompt-file": prompt_file})
     # Everything the user typed is checked here, before any model is loaded or any run starts.
     opts = BenchOptions(
         prompts=parse_int_list(n_prompt, "prompt length"), gens=parse_int_list(n_gen, "generation length"),
@@ -84,6 +92,33 @@ def bench_cmd(
         _print_rich(records, baseline, saved=out_path)
     elif out_path is None:
         sys.stdout.write(report.to_markdown(records, baseline))
+
+
+def _microbench(names, n_depth, batch, repetitions, output, bandwidth, unused: dict) -> None:
+    from ..bench import kernels as kb
+    from ..bench import report
+    from ..bench.workload import parse_int_list
+    from ..errors import InvalidParameter
+
+    given = [flag for flag, value in unused.items() if value is not None]
+    if given:
+        raise InvalidParameter(f"{given[0]} does not apply to --microbench")
+    if repetitions < 1:
+        raise InvalidParameter(f"invalid repetitions {repetitions}: must be >= 1")
+    names = kb.check_shape_sets(names)
+    contexts = [d for d in parse_int_list(n_depth, "context", minimum=0) if d > 0] or [512, 4096, 16384]
+    rows = parse_int_list(batch, "rows") if batch is not None else [1, 4]
+    fmt, out_path = report.output_target(output)
+    with _progress() as (progress, _):
+        records = kb.run_kernel_bench(names, rows=rows, contexts=contexts, repeat=repetitions,
+                                      bandwidth_gbps=bandwidth, progress=progress)
+    writers = {"md": kb.to_markdown, "csv": report.to_csv, "json": report.to_json, "jsonl": report.to_jsonl}
+    text = writers[fmt or "md"](records)
+    if out_path is not None:
+        report.write_atomic(out_path, text)
+        print(f"saved {len(records)} records to {out_path}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
 
 
 class _progress:

@@ -108,3 +108,22 @@ def test_sweep_with_batches_depths_prefix_and_mlx_lm_peer(tmp_path, capsys, smol
              if mx.issubdtype(v.dtype, mx.floating)]
     majority = max(set(saved), key=saved.count).replace("mlx.core.", "")
     assert {r["model.dtype"] for r in rows if r["engine.name"] == "mlx-lm"} == {majority}
+
+
+def test_microbench_wraps_the_kernel_micro_benchmark(monkeypatch, capsys):
+    import mlxinfer.kernels.microbench as mb
+
+    monkeypatch.setattr(mb, "MODELS", {"tiny": (128, 256, 2, 1, 64)})  # small shapes: seconds, not minutes
+    assert main(["bench", "--microbench", "tiny", "-b", "1,2", "-d", "32", "-r", "1", "--bandwidth", "50",
+                 "-o", "json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    kernels = [r["kernel"]["kernel"] for r in records]
+    assert kernels == ["qmv"] * 4 + ["swiglu"] + ["qmv"] * 4 + ["swiglu", "sdpa", "sdpa-q8"]
+    for r in records:
+        assert r["engine"]["name"] == "mlxinfer" and r["engine"]["mlx"] and r["engine"]["kernels"]
+        assert r["hardware"]["cpu_cores"] >= 1 and r["os"]["platform"] and r["kernel"]["builtin_us"] > 0
+        assert r["kernel"]["shape"].startswith("tiny: ") and r["kernel"]["repeat"] == 1
+    assert main(["bench", "--microbench", "llama-9b"]) == 2
+    assert "unknown micro-benchmark shape set 'llama-9b'" in capsys.readouterr().err
+    assert main(["bench", "--microbench", "--compare", "x.json"]) == 2
+    assert "--compare does not apply to --microbench" in capsys.readouterr().err

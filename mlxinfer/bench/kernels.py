@@ -1,0 +1,70 @@
+"""``mlxinfer bench --microbench``: the kernel engineer's micro-benchmark (``mlxinfer.kernels.microbench``:
+custom provider vs MLX built-in at 1B–8B decode shapes) wrapped in records with the same provenance as model runs."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ..errors import InvalidParameter
+from . import provenance
+from .hardware import hardware_info, os_info
+
+SCHEMA = "mlxinfer-bench-kernels/1"
+
+
+def shape_sets() -> list[str]:
+    from ..kernels.microbench import MODELS
+
+    return list(MODELS)
+
+
+def check_shape_sets(names: Sequence[str]) -> list[str]:
+    known = shape_sets()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise InvalidParameter(f"unknown micro-benchmark shape set {unknown[0]!r}", hint=f"use {', '.join(known)}")
+    return list(names) or known
+
+
+def run_kernel_bench(names: Sequence[str], *, rows: Sequence[int] = (1, 4),
+                     contexts: Sequence[int] = (512, 4096, 16384), repeat: int = 10,
+                     bandwidth_gbps: float | None = None,
+                     progress: Callable[[str, int, int], None] | None = None) -> list[dict]:
+    """One record per kernel × shape: built-in and custom microseconds, speedup, max abs error."""
+    from .. import __version__
+    from ..kernels import microbench
+    from ..kernels.patch import backend
+
+    names = check_shape_sets(names)
+    per_set = len(rows) * 5 + 2 * len(contexts)  # 4 matmuls + swiglu per row count; sdpa + sdpa-q8 per context
+    total, done = per_set * len(names), [0]
+
+    def tick(row) -> None:
+        done[0] += 1
+        if progress:
+            progress(f"{row.kernel} {row.shape}", done[0], total)
+
+    found = microbench.run_microbench(names, rows=tuple(rows), contexts=tuple(contexts), repeat=repeat, progress=tick)
+    commit, dirty = provenance.git_commit()
+    engine = {"name": "mlxinfer", "version": __version__, "git_commit": commit, "git_dirty": dirty,
+              **provenance.library_versions(), "backend": backend(), "kernels": microbench.provider_name()}
+    hw, system, stamp = hardware_info(bandwidth_gbps=bandwidth_gbps, probe=False), os_info(), provenance.timestamp()
+    return [{"schema": SCHEMA, "timestamp": stamp, "engine": engine, "hardware": hw, "os": system,
+             "kernel": {"kernel": r.kernel, "shape": r.shape, "dtype": r.dtype, "repeat": repeat,
+                        "builtin_us": r.builtin_us, "custom_us": r.custom_us, "speedup": r.speedup,
+                        "max_abs_err": r.max_abs_err}} for r in found]
+
+
+def to_markdown(records: list[dict]) -> str:
+    from ..kernels.microbench import BenchRow, markdown
+
+    if not records:
+        return "no kernels measured\n"
+    e, h = records[0]["engine"], records[0]["hardware"]
+    head = (f"- engine mlxinfer {e['version']}" + (f" @ {e['git_commit'][:10]}" if e.get("git_commit") else "")
+            + f": mlx {e['mlx']}, backend {e['backend']}, custom kernels {e['kernels']}\n"
+            f"- hardware: {h['chip']}, {h['cpu_cores']} cores; {records[0]['os']['platform']}; "
+            f"{records[0]['timestamp']}")
+    fields = ("kernel", "shape", "dtype", "builtin_us", "custom_us", "max_abs_err")
+    rows = [BenchRow(**{k: r["kernel"][k] for k in fields}) for r in records]
+    return head + "\n\n" + markdown(rows) + "\n"
