@@ -76,9 +76,22 @@ def bench_cmd(
     specs = [registry.resolve(m) for m in (models or [None])]
 
     stream_jsonl = fmt == "jsonl" and out_path is None
-    on_record = (lambda r: (sys.stdout.write(report.to_jsonl([r])), sys.stdout.flush())) if stream_jsonl else None
-    with _progress() as (progress, load):
-        records = run_bench(specs, opts, load=load, progress=progress, on_record=on_record)
+    finished: list[dict] = []
+
+    def on_record(record: dict) -> None:
+        finished.append(record)
+        if stream_jsonl:
+            sys.stdout.write(report.to_jsonl([record]))
+            sys.stdout.flush()
+
+    try:
+        with _progress() as (progress, load):
+            records = run_bench(specs, opts, load=load, progress=progress, on_record=on_record)
+    except KeyboardInterrupt:
+        if out_path is not None and finished:  # keep the tests that did finish
+            report.write_atomic(out_path, report.render(finished, fmt, baseline))
+            print(f"\nsaved the {len(finished)} finished records to {out_path}", file=sys.stderr)
+        raise
 
     if fmt is not None and out_path is None:
         if not stream_jsonl:
