@@ -7,6 +7,7 @@ must end inside the file.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -61,9 +62,15 @@ class _Cursor:
         self.pos += n
         return s
 
+    def count(self, n: int, item_bytes: int) -> int:
+        """A count read from the file, checked against the bytes left (a corrupt count must not allocate)."""
+        if n * item_bytes > self.size - self.pos:
+            raise struct.error(f"count {n} runs past the end of the file")
+        return n
+
     def strings(self, n: int) -> list[str]:
         # the vocabulary and merges: ~100k strings, so this loop is kept tight (locals, no method calls)
-        buf, pos, size, out = self.buf, self.pos, self.size, [None] * n
+        buf, pos, size, out = self.buf, self.pos, self.size, [None] * self.count(n, 8)
         length = struct.Struct("<Q").unpack_from
         for i in range(n):
             end = pos + 8 + length(buf, pos)[0]
@@ -82,7 +89,7 @@ class _Cursor:
             if etype == 8:
                 return self.strings(n)
             if etype == 9:
-                return [self.value(etype) for _ in range(n)]
+                return [self.value(etype) for _ in range(self.count(n, 12))]
             dt = np.dtype(_NP_SCALAR[etype])
             if self.pos + n * dt.itemsize > self.size:
                 raise struct.error("array runs past the end of the file")
@@ -118,22 +125,29 @@ def read_gguf(path: Path) -> GgufFile:
         if magic != b"GGUF" or version not in (2, 3):
             raise InvalidModel(f"{bad} (magic {magic!r}, version {version})", hint="only GGUF v2/v3 files import")
         meta = {}
-        for _ in range(n_kv):
+        for _ in range(cur.count(n_kv, 12)):
             key = cur.string()
             meta[key] = cur.value(cur.take("<I"))
         infos = []
-        for _ in range(n_tensors):
+        for _ in range(cur.count(n_tensors, 24)):
             name = cur.string()
-            dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
+            n_dims = cur.take("<I")
+            if n_dims > 8:
+                raise struct.error(f"tensor '{name}' has {n_dims} dimensions")
+            dims = [cur.take("<Q") for _ in range(n_dims)]
             infos.append((name, dims, *cur.take("<IQ")))
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise struct.error(f"general.alignment is {align!r}")
     except (struct.error, KeyError, RecursionError) as e:
         raise InvalidModel(f"{bad}: header is truncated or corrupt ({e})", hint="download the file again") from None
-    align = int(meta.get("general.alignment", 32))
     data_start = -(-cur.pos // align) * align
     tensors = []
     for name, dims, type_id, offset in infos:
         kind, block, block_bytes = _type_info(type_id)
-        n = int(np.prod(dims)) if dims else 1
+        n = math.prod(dims)
+        if block and n % block:
+            raise InvalidModel(f"{bad}: tensor '{name}' has {n} elements, not whole {kind} blocks of {block}")
         nbytes = n // block * block_bytes if block else 0
         if block and data_start + offset + nbytes > cur.size:
             raise InvalidModel(

@@ -113,8 +113,8 @@ def imported_dir(path: Path) -> Path:
 def _hf_name(gguf_name: str) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
-        _, layer, part = base.split(".", 2)
-        mapped = _BLOCK_NAMES.get(part)
+        _, layer, part = (base.split(".", 2) + ["", ""])[:3]
+        mapped = _BLOCK_NAMES.get(part) if layer.isdigit() else None
         return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
     mapped = _GLOBAL_NAMES.get(base)
     return f"{mapped}.{suffix}" if mapped else None
@@ -147,8 +147,8 @@ def _llm_config(meta: dict, arch: str, has_output: bool) -> dict:
             "tie_word_embeddings": not has_output,
             "head_dim": int(get("attention.key_length", hidden // heads)),
         }
-    except (TypeError, KeyError, ValueError) as e:
-        raise InvalidModel(f"GGUF metadata lacks {e}", hint="the file is incomplete or not an LLM") from None
+    except (TypeError, KeyError, ValueError, ZeroDivisionError) as e:
+        raise InvalidModel(f"GGUF metadata lacks or garbles {e}", hint="the file is incomplete or not an LLM") from None
     if arch == "qwen2":
         config["attention_bias"] = True
     scaling = get("rope.scaling.type")
@@ -296,11 +296,15 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
                 continue
             raise InvalidModel(f"{path.name}: unknown tensor '{t.name}' for architecture '{arch}'")
         prefix, suffix = hf.rsplit(".", 1)
-        perm = None
-        if _ARCHS[arch][2] and prefix.endswith(("q_proj", "k_proj")):
-            rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
-            perm = _unpermute_rows(rows, n_heads if prefix.endswith("q_proj") else n_kv)
-        arrays, bits = _convert_tensor(t, perm, path)
+        try:
+            perm = None
+            if _ARCHS[arch][2] and prefix.endswith(("q_proj", "k_proj")):
+                rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
+                perm = _unpermute_rows(rows, n_heads if prefix.endswith("q_proj") else n_kv)
+            arrays, bits = _convert_tensor(t, perm, path)
+        except (ValueError, IndexError, ZeroDivisionError) as e:  # shapes that do not fit the data
+            raise InvalidModel(f"{path.name}: tensor '{t.name}' is damaged ({e})",
+                               hint="download the file again") from None
         if suffix != "weight":  # e.g. attention biases: never quantized
             arrays = {suffix: arrays["weight"]}
         weights.update({f"{prefix}.{k}": v for k, v in arrays.items()})

@@ -388,3 +388,24 @@ def test_not_a_gguf_file(tmp_path, cache):
     with pytest.raises(InvalidModel, match="not a readable GGUF file"):
         import_gguf(path)
     assert _cache_files(cache) == []
+
+
+def test_corrupt_headers_fail_cleanly(tmp_path, cache):
+    """Random byte changes in the header: the import either works or raises InvalidModel, nothing else."""
+    good = write_gguf(tmp_path / "m.gguf", hf_weights(), QT.Q8_0).read_bytes()
+    header_end = good.index(b"blk.0.attn_q.weight") + 400  # metadata and the first tensor infos
+    rng = np.random.default_rng(7)
+    outcomes = set()
+    for i in range(60):
+        data = bytearray(good)
+        for pos in rng.integers(0, header_end, 3):
+            data[pos] = int(rng.integers(0, 256))
+        path = tmp_path / f"c{i}.gguf"
+        path.write_bytes(bytes(data))
+        try:
+            import_gguf(path)
+            outcomes.add("ok")
+        except InvalidModel:
+            outcomes.add("InvalidModel")
+        path.unlink()
+    assert "InvalidModel" in outcomes
