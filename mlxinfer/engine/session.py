@@ -230,6 +230,12 @@ class Session:
         """Render, dropping the oldest exchanges (never the system prompt or the newest message) until the prompt
         plus some room for the reply fits the context. Raises if the newest message alone does not fit."""
         limit = self.context_limit
+        newest = self.render(self.messages[-1:])
+        if len(newest) >= limit:  # checked first: a message that cannot fit must not cost the history
+            raise SessionError(
+                f"the message needs {len(newest)} tokens but the context holds {limit}",
+                hint="shorten it, shorten the system prompt, or raise the limit with /set context",
+            )
         want = self.params.max_tokens if self.params.max_tokens > 0 else limit
         room = max(1, min(want, limit // 4))
         tokens, dropped = self.render(), 0
@@ -240,11 +246,6 @@ class Session:
                 self.messages.pop(0)
                 dropped += 1
             tokens = self.render()
-        if len(tokens) >= limit:
-            raise SessionError(
-                f"the message needs {len(tokens)} tokens but the context holds {limit}",
-                hint="shorten it, shorten the system prompt, or raise the limit with /set context",
-            )
         return tokens, dropped
 
     def _start(self) -> Turn:

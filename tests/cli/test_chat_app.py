@@ -1,0 +1,146 @@
+"""The chat loop and slash commands with scripted input (no terminal), plus the pure rendering/input helpers."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from mlxinfer.ui.chat_input import LineReader, make_completer, open_block, strip_block
+from mlxinfer.ui.chat_view import PlainReply, reply_renderable, split_think
+
+
+class Script:
+    """A reader that plays lines, then raises EOFError (Ctrl-D)."""
+
+    def __init__(self, lines):
+        self.lines = list(lines)
+
+    def read(self):
+        if not self.lines:
+            raise EOFError
+        item = self.lines.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def run_chat(smollm2, monkeypatch, tmp_path):
+    from mlxinfer.engine.sampling import SamplingParams
+    from mlxinfer.engine.session import Session
+    from mlxinfer.ui.chat_loop import ChatApp
+    from mlxinfer.ui.chat_view import PlainView
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no clipboard tools
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+
+    def run(lines, **kw):
+        out, err = io.StringIO(), io.StringIO()
+        session = Session(smollm2, SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", 8)))
+        loads = []
+        app = ChatApp(session, PlainView(out, err), Script(lines), show_stats=True,
+                      load_model=lambda spec, kernels: loads.append(spec.name) or smollm2, **kw)
+        app.run()
+        return app, out.getvalue(), err.getvalue(), loads
+
+    return run
+
+
+@pytest.mark.slow
+def test_commands_through_the_loop(run_chat):
+    app, out, err, loads = run_chat([
+        "/help", "/system Answer in one short sentence.", "/system", "What is the capital of France?",
+        "/think hide", "/think maybe", "/stats off", "/stats", "/stats loud", "/copy", "/model smollm2",
+        "/show", "/sessions", "/load nothing-here", "/save", "/retry", KeyboardInterrupt(), "/clear", "/undo",
+        "/retry", "/exit", "never read",
+    ])
+    assert "Paris" in out and out.count("Paris") == 2  # the reply and its /retry
+    assert "/model [ALIAS]" in err and "switch model" in err
+    assert "system prompt: Answer in one short sentence." in err
+    assert "think hide" in err and "invalid think mode 'maybe'" in err
+    assert "stats line off" in err and "stats line on" in err and "invalid value 'loud' for /stats" in err
+    assert "no clipboard here" in err
+    assert loads == ["smollm2"] and "switched to smollm2; the conversation continues (2 messages)" in err
+    assert "messages      2" in err  # /show after the switch: the conversation was kept
+    assert "no saved sessions yet" in err and "no saved session 'nothing-here'" in err
+    assert "usage: /save NAME" in err
+    assert "Use Ctrl-D, /bye or /exit to quit." in err
+    assert "nothing to undo" in err and "nothing to retry yet" in err
+    assert app.session.messages == [] and app.session.system == "Answer in one short sentence."
+    assert err.count("TTFT") == 2  # a stats line after the reply and after the /retry (toggled back on)
+
+
+@pytest.mark.slow
+def test_context_overflow_notice_and_long_message(run_chat):
+    lines = ["/set context 80"] + [f"Name a color, number {i}." for i in range(3)] + ["word " * 100]
+    app, out, err, _ = run_chat(lines, max_tokens=10)
+    assert "context full: dropped the 2 oldest messages" in err  # one exchange: the first
+    assert "the message needs" in err and "context holds 80" in err
+    # The refused message cost nothing: the exchanges left before it are still there.
+    assert [m["content"] for m in app.session.messages[::2]] == ["Name a color, number 1.", "Name a color, number 2."]
+    assert len(out.strip().split("\n")) >= 3 and app.session.context_used <= 80
+
+
+def test_split_think():
+    assert split_think("plain answer") == (None, "plain answer", False)
+    assert split_think("<think>hmm") == ("hmm", "", True)
+    assert split_think("<think>a b</think>\n\nAnswer") == ("a b", "Answer", False)
+    assert split_think("reasoning</think>Answer") == ("reasoning", "Answer", False)  # opened by the template
+
+
+def test_plain_reply_hides_thinking_while_streaming():
+    out = io.StringIO()
+    r = PlainReply(out, "hide")
+    for piece in ["<th", "ink>secret ", "plan</thi", "nk>\n\nThe ", "answer."]:
+        r.feed(piece)
+    r.finish()
+    assert out.getvalue() == "The answer.\n"
+    out = io.StringIO()
+    r = PlainReply(out, "on")
+    r.feed("<think>x</think>y")
+    r.finish()
+    assert out.getvalue() == "<think>x</think>y\n"
+
+
+def test_reply_renderable_hides_or_dims_thinking():
+    from rich.console import Console
+
+    def text(reply, mode):
+        c = Console(width=80, record=True, color_system=None)
+        c.print(reply_renderable(reply, mode))
+        return c.export_text()
+
+    assert "secret" in text("<think>secret</think>**Bold** answer", "on")
+    hidden = text("<think>secret plan</think>**Bold** answer", "hide")
+    assert "secret" not in hidden and "thought for 2 words" in hidden and "Bold answer" in hidden
+
+
+def test_triple_quote_blocks_and_line_reader():
+    assert open_block('"""') and open_block('"""\nline') and not open_block('"""\nline"""')
+    assert not open_block('"""one line"""') and not open_block("plain")
+    assert strip_block('"""\nSay hi\nin French\n"""') == "Say hi\nin French"
+    reader = LineReader(io.StringIO('first\n"""\na\nb\n"""\nlast\n'))
+    assert [reader.read(), reader.read(), reader.read()] == ["first", "a\nb", "last"]
+    with pytest.raises(EOFError):
+        reader.read()
+
+
+def test_completion_of_commands_and_arguments():
+    from prompt_toolkit.document import Document
+
+    comp = make_completer({"/set": "change", "/sessions": "list", "/save": "save"},
+                          lambda cmd: {"/set": ["temp", "top_p"], "/save": ["notes"]}.get(cmd, []))
+
+    def texts(line):
+        return [c.text for c in comp.get_completions(Document(line), None)]
+
+    assert texts("/se") == ["/set", "/sessions"]
+    assert texts("/set t") == ["temp", "top_p"]
+    assert texts("/save n") == ["notes"]
+    assert texts("hello") == [] and texts("/set temp 0") == []
