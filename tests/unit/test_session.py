@@ -204,3 +204,22 @@ def test_save_and_load_round_trip(tiny, tmp_path, monkeypatch):
     path.write_text(json.dumps({"format": "other"}))
     with pytest.raises(SessionError, match="not an mlxinfer session"):
         store.load("notes-1")
+
+
+def test_cancel_during_prefill_stops_at_a_chunk_boundary(tiny):
+    from mlxinfer.engine.session import CHAT_PREFILL_STEP
+
+    s = make_session(tiny)
+    turn = s.send("word " * (2 * CHAT_PREFILL_STEP))
+    seen = []
+
+    def progress(done, total):
+        seen.append(done)
+        turn.cancel()
+
+    turn.on_prefill = progress
+    run(turn)
+    assert seen == [0] and turn.stats is None  # stopped after the first chunk, before any token
+    assert turn.discarded and s.messages == []
+    assert s.context_used == CHAT_PREFILL_STEP  # the chunk already computed stays usable
+    assert_cache_consistent(s)
