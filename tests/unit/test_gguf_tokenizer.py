@@ -40,6 +40,19 @@ def test_spm_adds_bos_like_llama_cpp(spm):
         assert tok.encode(r["text"], add_special_tokens=True) == r["ids_add_bos"], r["text"]
 
 
+def test_spm_without_space_prefix(spm, tmp_path):
+    from tokenizers import Tokenizer
+
+    fixture, _, _ = spm
+    write_tokenizer({**fixture["tokenizer"], "tokenizer.ggml.add_space_prefix": False}, tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    texts = [r["text"] for r in fixture["records"]]
+    got = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+    bad = [(t, g, e) for t, g, e in zip(texts, got, fixture["no_space_prefix_ids"]) if g != e]
+    assert not bad, f"{len(bad)} differ, first: {bad[0]!r}"
+    assert got != [r["ids"] for r in fixture["records"]]  # the flag changes the result
+
+
 def test_spm_decode_round_trips(spm):
     fixture, _, tok = spm
     types = fixture["tokenizer"]["tokenizer.ggml.token_type"]
