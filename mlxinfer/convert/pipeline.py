@@ -272,7 +272,10 @@ def convert(
             "bits_per_weight": round(stats.total_bytes * 8 / max(parameters, 1), 4),
             "name": out.name, "out_dir": str(out),
         }
-        config["mlxinfer"] = {"converted": {k: v for k, v in meta.items() if k not in ("name", "out_dir")}}
+        converted = {k: v for k, v in meta.items() if k not in ("name", "out_dir")}
+        if isinstance(config.get("mlxinfer"), dict):  # e.g. the GGUF import's record: keep it with ours
+            converted["source_metadata"] = config["mlxinfer"]
+        config["mlxinfer"] = {"converted": converted}
         save_config(dict(config), tmp / "config.json")
 
         quality = None

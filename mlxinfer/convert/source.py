@@ -118,5 +118,10 @@ def resolve_source(arg: str, *, revision: str | None = None, registry: Registry 
         return SourceInfo(label=spec.repo, kind="hf", path=path, revision=_revision_of(path) or rev, repo=spec.repo)
     if spec.path is None or not spec.path.exists():
         raise InvalidModel(f"no such file or directory: {spec.path}", hint="check the path")
-    info = _from_path(spec.alias or str(spec.path), spec.path)
+    label = f"{spec.alias} ({spec.path.name})" if spec.alias else str(spec.path)
+    info = _from_path(label, spec.path)
+    if info.is_gguf:
+        from ..sources.gguf_import import file_digest
+
+        info.revision = "sha256:" + file_digest(info.path)[:16]  # memoised: the import needs it anyway
     return info

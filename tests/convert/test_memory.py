@@ -31,14 +31,14 @@ def _probe(src: Path, out: Path, shard: int, bits: int | None = None) -> dict:
 def big_src(tmp_path_factory, tok_dir) -> Path:
     from tinymodels import make_hf_model
 
-    # ~110 MB of fp16 weights; the largest tensor (1536 x 512) is 1.5 MB
-    return make_hf_model(tmp_path_factory.mktemp("big"), tok_dir, "llama", layers=16, hidden=512,
+    # ~76 MB of fp16 weights; the largest tensor (1536 x 512) is 1.5 MB
+    return make_hf_model(tmp_path_factory.mktemp("big"), tok_dir, "llama", layers=12, hidden=512,
                          intermediate=1536, vocab=512, shards=3)
 
 
 def test_peak_memory_follows_shard_size(big_src, tmp_path):
     model_bytes = sum(p.stat().st_size for p in big_src.glob("*.safetensors"))
-    assert model_bytes > 12 * 8 * MB  # twelve shards
+    assert model_bytes > 8 * 8 * MB  # more than eight shards
     shard = 8 * MB
     # float16 -> float16: the output is as large as the input, the hardest case for memory
     copy = _probe(big_src, tmp_path / "copy", shard)
