@@ -116,6 +116,13 @@ def _post_processor(meta: dict, add_bos: bool, add_eos: bool) -> dict | None:
     return {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials}
 
 
+def _split_merge(merge: str) -> list[str] | None:
+    # llama.cpp splits at the first space after position 0, so a merge may start with a space; one without a
+    # space can never apply (llama.cpp files it under an empty pair), so it is dropped
+    i = merge.find(" ", 1)
+    return [merge[:i], merge[i + 1:]] if i > 0 else None
+
+
 def _bpe_tokenizer_json(meta: dict[str, Any], add_bos: bool, add_eos: bool) -> dict:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
@@ -133,7 +140,7 @@ def _bpe_tokenizer_json(meta: dict[str, Any], add_bos: bool, add_eos: bool) -> d
             "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
             "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": [m.split(" ", 1) for m in meta.get("tokenizer.ggml.merges") or []],
+            "merges": [pair for m in meta.get("tokenizer.ggml.merges") or [] if (pair := _split_merge(m))],
         },
     }
 
