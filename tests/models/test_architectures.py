@@ -138,6 +138,29 @@ def test_greedy_tokens_match_mlx_lm(arch, tiny, tiny_model_dir):
     assert len(set(want)) >= 4, f"degenerate tiny model (greedy repeats itself): {want}"
 
 
+def greedy(loaded, prompt, cache=None, max_tokens: int = 8) -> list[int]:
+    params = GREEDY.with_values(max_tokens=max_tokens)
+    return list(mlxinfer.stream_generate(loaded, prompt, params, cache=cache, ignore_eos=True))[-1].stats.tokens
+
+
+def test_generation_cache_reuse(arch, tiny):
+    """What chat relies on, through stream_generate: after a reply the cache holds prompt + reply, so the next turn
+    passes only its new tokens and gets the reply of a fresh cache over the whole history; trimming back to the
+    prompt (/retry) regenerates the first reply."""
+    prompt, turn2 = prompt_ids(12, seed=3), prompt_ids(5, seed=4)
+    cache = make_prompt_cache(tiny.model)
+    reply = greedy(tiny, prompt, cache)
+    assert [c.offset for c in cache] == [len(prompt) + len(reply)] * len(cache)
+
+    second = greedy(tiny, turn2, cache)
+    assert second == greedy(tiny, prompt + reply + turn2)
+
+    # Back to prompt[:-1]: a call needs at least one new token to feed (as Session does for /retry).
+    n = len(reply) + len(turn2) + len(second) + 1
+    assert trim_prompt_cache(cache, n) == n
+    assert greedy(tiny, prompt[-1:], cache) == reply
+
+
 def test_custom_kernels_same_greedy_tokens(arch, tiny, tiny_model_dir):
     """kernels="auto" (the backend's custom kernels patched in) gives the greedy tokens of the built-ins."""
     from mlxinfer.kernels.patch import apply_kernels, select_provider
