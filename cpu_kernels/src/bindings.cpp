@@ -19,6 +19,8 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.def("quantized_matmul", &mlxinfer_cpu::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         nb::kw_only(), "group_size"_a, "bits"_a,
         "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True).");
+  m.def("swiglu", &mlxinfer_cpu::swiglu, "x"_a, "wg"_a, "sg"_a, "bg"_a, "wu"_a, "su"_a, "bu"_a, nb::kw_only(),
+        "group_size"_a, "bits"_a, "silu(x @ Wg.T) * (x @ Wu.T) with both weights quantized (one pass over x).");
   m.def("sdpa", &mlxinfer_cpu::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
         "float32 attention, as mx.fast.scaled_dot_product_attention with mask None or 'causal'.");
   m.def("set_num_threads", [](int n) { mlxinfer_cpu::SpinPool::get().set_size(n); }, "n"_a);

@@ -12,6 +12,10 @@ namespace mlxinfer_cpu {
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits);
 
+// silu(x @ dequant(wg).T) * (x @ dequant(wu).T), both weights quantized like quantized_matmul's.
+mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, const mx::array& bg,
+                 const mx::array& wu, const mx::array& su, const mx::array& bu, int group_size, int bits);
+
 // mx.fast.scaled_dot_product_attention for float32 q (B, Hq, L, D), k/v (B, Hkv, S, D), no mask or a
 // causal one (aligned to the end of the keys). Runs on the CPU stream.
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal);

@@ -2,6 +2,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -84,38 +85,41 @@ const float* x_as_float(const mx::array& x, std::vector<float>& buf) {
 // Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
 inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 
-void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-             const mx::array& biases, mx::array& out, int group_size, int bits) {
+struct QWeight {
+  const mx::array* w;
+  const mx::array* scales;
+  const mx::array* biases;
+  float* out;  // (M, N) float32
+};
+
+// out_i = x @ dequant(w_i).T for one or more weights sharing N, K, group_size and bits; x is prepared
+// once and the tasks of all weights go to the pool together.
+void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {
   const KernelSet& ks = select_kernels();
   SpinPool& pool = SpinPool::get();
   const int K = x.shape(-1);
-  const int N = w.shape(0);
+  const int N = ws[0].w->shape(0);
   const int M = static_cast<int>(x.size() / K);
   const int ng = K / group_size;
+  const int nw = static_cast<int>(ws.size());
 
-  thread_local std::vector<float> xbuf, xprep, xsum, obuf, scratch;
+  thread_local std::vector<float> xbuf, xprep, xsum, scratch;
   const float* xf = x_as_float(x, xbuf);
-  float* of;
-  if (out.dtype() == mx::float32) {
-    of = out.data<float>();
-  } else {
-    obuf.resize((size_t)M * N);
-    of = obuf.data();
+  std::vector<QmmArgs> args(nw);
+  for (int i = 0; i < nw; ++i) {
+    QmmArgs& a = args[i];
+    a.M = M;
+    a.K = K;
+    a.N = N;
+    a.group_size = group_size;
+    a.bits = bits;
+    a.w = reinterpret_cast<const uint8_t*>(ws[i].w->data<uint32_t>());
+    a.scales = ws[i].scales->data<void>();
+    a.biases = ws[i].biases->data<void>();
+    const mx::Dtype st = ws[i].scales->dtype();
+    a.stype = st == mx::float32 ? ScaleType::f32 : st == mx::float16 ? ScaleType::f16 : ScaleType::bf16;
+    a.out = ws[i].out;
   }
-
-  QmmArgs a{};
-  a.M = M;
-  a.K = K;
-  a.N = N;
-  a.group_size = group_size;
-  a.bits = bits;
-  a.w = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
-  a.scales = scales.data<void>();
-  a.biases = biases.data<void>();
-  a.stype = scales.dtype() == mx::float32   ? ScaleType::f32
-            : scales.dtype() == mx::float16 ? ScaleType::f16
-                                            : ScaleType::bf16;
-  a.out = of;
   const int T = pool.size();
 
   if (M <= 8) {
@@ -132,13 +136,18 @@ void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
         xsum[(size_t)m * ng + g] = s;
       }
     }
-    a.x = xprep.data();
-    a.xsum = xsum.data();
+    for (auto& a : args) {
+      a.x = xprep.data();
+      a.xsum = xsum.data();
+    }
     // ~4 tasks per thread balance the load; rows per task stay a multiple of 8.
-    int rows = (N + 4 * T - 1) / (4 * T);
+    int rows = (nw * N + 4 * T - 1) / (4 * T);
     rows = std::max(16, (rows + 7) / 8 * 8);
-    const int ntasks = (N + rows - 1) / rows;
-    pool.run(ntasks, [&](int t, int) { ks.qmv(a, t * rows, std::min(N, (t + 1) * rows)); });
+    const int per_w = (N + rows - 1) / rows;
+    pool.run(nw * per_w, [&](int t, int) {
+      const int i = t / per_w, r = t % per_w;
+      ks.qmv(args[i], r * rows, std::min(N, (r + 1) * rows));
+    });
   } else {
     const int pm = ks.pack_m;
     const int mblocks = (M + pm - 1) / pm;
@@ -149,39 +158,111 @@ void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
       for (int c = 0; c < K; c += 32)
         for (int p = 0; p < 32; ++p) dst[(size_t)(c + p) * pm] = xr[c + (bits == 4 ? perm4(p) : p)];
     }
-    std::fill(of, of + (size_t)M * N, 0.f);
+    for (const auto& w : ws) std::fill(w.out, w.out + (size_t)M * N, 0.f);
     scratch.resize((size_t)T * kPackN * kKc);
     float* scr = scratch.data();
     const float* xp = xprep.data();
-    const int ntasks = (N + kPackN - 1) / kPackN;
-    pool.run(ntasks, [&](int t, int tid) {
-      ks.qmm(a, xp, t * kPackN, std::min(N, (t + 1) * kPackN), scr + (size_t)tid * kPackN * kKc);
+    const int per_w = (N + kPackN - 1) / kPackN;
+    pool.run(nw * per_w, [&](int t, int tid) {
+      const int i = t / per_w, r = t % per_w;
+      ks.qmm(args[i], xp, r * kPackN, std::min(N, (r + 1) * kPackN), scr + (size_t)tid * kPackN * kKc);
     });
-  }
-
-  if (out.dtype() == mx::float16) {
-    auto* o = out.data<mx::float16_t>();
-    for (size_t i = 0; i < (size_t)M * N; ++i) o[i] = static_cast<mx::float16_t>(of[i]);
-  } else if (out.dtype() == mx::bfloat16) {
-    auto* o = out.data<mx::bfloat16_t>();
-    for (size_t i = 0; i < (size_t)M * N; ++i) o[i] = static_cast<mx::bfloat16_t>(of[i]);
   }
 }
 
-void NativeQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
+// Store float32 results into out (float32: already there; float16/bfloat16: rounded once).
+template <typename F>
+void store_out(mx::array& out, size_t count, F value) {
+  if (out.dtype() == mx::float32) {
+    float* o = out.data<float>();
+    for (size_t i = 0; i < count; ++i) o[i] = value(i);
+  } else if (out.dtype() == mx::float16) {
+    auto* o = out.data<mx::float16_t>();
+    for (size_t i = 0; i < count; ++i) o[i] = static_cast<mx::float16_t>(value(i));
+  } else {
+    auto* o = out.data<mx::bfloat16_t>();
+    for (size_t i = 0; i < count; ++i) o[i] = static_cast<mx::bfloat16_t>(value(i));
+  }
+}
+
+void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+             const mx::array& biases, mx::array& out, int group_size, int bits) {
+  if (out.dtype() == mx::float32) {
+    qmm_float(x, {{&w, &scales, &biases, out.data<float>()}}, group_size, bits);
+    return;
+  }
+  thread_local std::vector<float> obuf;
+  obuf.resize(out.size());
+  qmm_float(x, {{&w, &scales, &biases, obuf.data()}}, group_size, bits);
+  const float* of = obuf.data();
+  store_out(out, out.size(), [of](size_t i) { return of[i]; });
+}
+
+// silu(x @ Wg.T) * (x @ Wu.T): both matvecs in one pool job, then the gate in the same pass.
+void run_swiglu(const std::vector<mx::array>& in, mx::array& out, int group_size, int bits) {
+  thread_local std::vector<float> gbuf, ubuf;
+  gbuf.resize(out.size());
+  ubuf.resize(out.size());
+  qmm_float(in[0], {{&in[1], &in[2], &in[3], gbuf.data()}, {&in[4], &in[5], &in[6], ubuf.data()}}, group_size,
+            bits);
+  const float* g = gbuf.data();
+  const float* u = ubuf.data();
+  store_out(out, out.size(), [g, u](size_t i) { return g[i] / (1.f + std::exp(-g[i])) * u[i]; });
+}
+
+class NativeSwiglu : public mx::UnaryPrimitive {
+ public:
+  NativeSwiglu(mx::Stream s, int group_size, int bits)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[mlxinfer_cpu] swiglu runs on the CPU stream only");
+  }
+  const char* name() const override { return "MlxinferSwiglu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const NativeSwiglu*>(&other);
+    return o && o->group_size_ == group_size_ && o->bits_ == bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape s = inputs[0].shape();
+    s.back() = inputs[1].shape(0);
+    return {s};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+// Shared by both primitives: allocate, then run `fn` on contiguous inputs inside the encoder's task.
+template <typename Fn>
+void dispatch_contiguous(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Fn fn) {
+  auto& enc = mx::cpu::get_command_encoder(stream);
   out.set_data(mx::allocator::malloc(out.nbytes()));
   for (const auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
   std::vector<mx::array> in;
   for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-  enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), gs = group_size_,
-                bits = bits_]() mutable {
+  enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), fn]() mutable {
     // Inputs are rarely strided (a transposed or sliced x); copy those inside the task, where
     // their data is ready.
     for (auto& a : in)
       if (!a.flags().row_contiguous) a = row_contiguous_copy(a);
-    run_qmm(in[0], in[1], in[2], in[3], out, gs, bits);
+    fn(in, out);
+  });
+}
+
+void NativeSwiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const int gs = group_size_, bits = bits_;
+  dispatch_contiguous(stream(), inputs, out,
+                      [gs, bits](std::vector<mx::array>& in, mx::array& o) { run_swiglu(in, o, gs, bits); });
+}
+
+void NativeQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const int gs = group_size_, bits = bits_;
+  dispatch_contiguous(stream(), inputs, out, [gs, bits](std::vector<mx::array>& in, mx::array& o) {
+    run_qmm(in[0], in[1], in[2], in[3], o, gs, bits);
   });
 }
 
@@ -189,9 +270,12 @@ bool is_float(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t ==
 
 }  // namespace
 
-mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits) {
-  auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.quantized_matmul] " + msg); };
+namespace {
+
+// Checks one (w, scales, biases) against x; returns N.
+int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                 int group_size, int bits, const char* op) {
+  auto fail = [op](const std::string& msg) { throw std::invalid_argument(std::string("[mlxinfer_cpu.") + op + "] " + msg); };
   if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
   if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array");
@@ -204,11 +288,31 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
       biases.shape() != scales.shape())
     fail("scales/biases must have shape (N, K / group_size)");
   if (K / group_size > 4096) fail("K / group_size too large");
+  return N;
+}
+
+}  // namespace
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits) {
+  const int N = check_weight(x, w, scales, biases, group_size, bits, "quantized_matmul");
   mx::Shape shape = x.shape();
   shape.back() = N;
   return mx::array(shape, mx::promote_types(x.dtype(), scales.dtype()),
                    std::make_shared<NativeQuantizedMatmul>(mx::to_stream({}, mx::Device::cpu), group_size, bits),
                    {x, w, scales, biases});
+}
+
+mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, const mx::array& bg,
+                 const mx::array& wu, const mx::array& su, const mx::array& bu, int group_size, int bits) {
+  const int N = check_weight(x, wg, sg, bg, group_size, bits, "swiglu");
+  if (check_weight(x, wu, su, bu, group_size, bits, "swiglu") != N || su.dtype() != sg.dtype())
+    throw std::invalid_argument("[mlxinfer_cpu.swiglu] gate and up weights must match");
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  return mx::array(shape, mx::promote_types(x.dtype(), sg.dtype()),
+                   std::make_shared<NativeSwiglu>(mx::to_stream({}, mx::Device::cpu), group_size, bits),
+                   {x, wg, sg, bg, wu, su, bu});
 }
 
 }  // namespace mlxinfer_cpu

@@ -16,18 +16,32 @@ class NativeCpuProvider:
     def __init__(self, ext: ModuleType):
         self._ext = ext
 
-    def quantized_matmul(self, x, w, scales, biases, *, group_size: int, bits: int,
-                         mode: str = "affine") -> Optional[mx.array]:
+    @staticmethod
+    def _supported(x, w, scales, biases, group_size, bits, mode) -> bool:
         # The kernels cover MLX's affine 4/8-bit format; anything else goes back to the built-in.
-        if (
+        return not (
             mode != "affine" or biases is None or bits not in (4, 8) or group_size not in (32, 64, 128)
             or w.dtype != mx.uint32 or w.ndim != 2 or x.ndim < 1
             or x.dtype not in _FLOATS or scales.dtype not in _FLOATS or biases.dtype != scales.dtype
-            or x.shape[-1] != w.shape[1] * 32 // bits
-        ):
+            or x.shape[-1] != w.shape[1] * 32 // bits or scales.shape != (w.shape[0], x.shape[-1] // group_size)
+        )
+
+    def quantized_matmul(self, x, w, scales, biases, *, group_size: int, bits: int,
+                         mode: str = "affine") -> Optional[mx.array]:
+        if not self._supported(x, w, scales, biases, group_size, bits, mode):
             return None
         # (..., K) x (N, K)^T -> (..., N)
         return self._ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+
+    def swiglu(self, x, gate, up, *, group_size: int, bits: int) -> Optional[mx.array]:
+        """silu(x @ Wg.T) * (x @ Wu.T) in one primitive: both matvecs share one pass over x and one pool job."""
+        (wg, sg, bg), (wu, su, bu) = gate, up
+        if not all(
+            self._supported(x, w, s, b, group_size, bits, "affine") for w, s, b in ((wg, sg, bg), (wu, su, bu))
+        ) or wg.shape != wu.shape or sg.dtype != su.dtype:
+            return None
+        # (..., K) -> (..., N)
+        return self._ext.swiglu(x, wg, sg, bg, wu, su, bu, group_size=group_size, bits=bits)
 
     def sdpa(self, q, k, v, *, scale: float, mask) -> Optional[mx.array]:
         # float32 (the CPU dtype policy) with no mask or a causal one; array masks go to the built-in.

