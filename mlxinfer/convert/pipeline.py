@@ -281,9 +281,15 @@ def convert(
         quality = None
         run_eval, eval_tokens = _eval_defaults(opts, parameters)
         if run_eval:
-            quality = evaluate(src_dir, tmp, max_tokens=eval_tokens, progress=progress)
-            config["mlxinfer"]["converted"]["quality"] = quality.as_dict()
-            save_config(dict(config), tmp / "config.json")
+            try:
+                quality = evaluate(src_dir, tmp, max_tokens=eval_tokens, progress=progress)
+            except (MlxinferError, ValueError, RuntimeError) as e:
+                if opts.eval:  # asked for explicitly: the report is part of the job
+                    raise
+                notes.append(f"quality check skipped: {e}")  # the conversion itself is fine: keep it
+            if quality is not None:
+                config["mlxinfer"]["converted"]["quality"] = quality.as_dict()
+                save_config(dict(config), tmp / "config.json")
         (tmp / "README.md").write_text(card.model_card(meta, quality.rows() if quality else None))
         if notes:
             config["mlxinfer"]["converted"]["notes"] = notes

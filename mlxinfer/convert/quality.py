@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .._resources import data_path
+from ..errors import InvalidModel
 
 Progress = Callable[[str, int, int], None]
 SAMPLE_FILE = "eval_sample.txt"
@@ -104,7 +105,11 @@ def evaluate(
     if tokenizer is None:
         from mlx_lm.utils import load_tokenizer
 
-        tokenizer = load_tokenizer(source_dir)
+        try:
+            tokenizer = load_tokenizer(source_dir)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for tokenizers it cannot build
+            raise InvalidModel(f"cannot load the tokenizer in {source_dir} for the quality check: {e}",
+                               hint="convert with --no-eval") from None
     ids = sample_tokens(tokenizer, max_tokens)
     if len(ids) < 2:
         raise ValueError("the evaluation sample is empty after tokenization")

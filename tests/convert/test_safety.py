@@ -188,3 +188,18 @@ def test_fake_hub_source(llama_src, tmp_path, monkeypatch):
     assert "base_model: org/tiny-llama" in card and sha in card
     fetched = {p.rsplit("/", 1)[-1] for m, p in hub.requests if "/resolve/" in p}
     assert "pytorch_model.bin" not in fetched and "modeling_x.py" not in fetched
+
+
+def test_quality_check_failure(llama_src, tmp_path):
+    src = tmp_path / "notok"
+    shutil.copytree(llama_src, src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (src / name).unlink()
+    # on by default (a small model): a failing check is a note, the conversion is kept
+    r = convert(str(src), tmp_path / "auto", ConvertOptions(bits=4, eval_tokens=16))
+    assert r.quality is None and any("quality check skipped" in n for n in r.notes)
+    assert (r.out_dir / "config.json").exists()
+    # asked for with --eval: it is an error, and nothing is left behind
+    with pytest.raises(InvalidModel, match="--no-eval"):
+        convert(str(src), tmp_path / "asked", ConvertOptions(bits=4, eval=True, eval_tokens=16))
+    assert not (tmp_path / "asked").exists() and _leftovers(tmp_path, "asked") == []
