@@ -50,8 +50,11 @@ class _Cursor:
         self.buf, self.pos, self.size = buf, 0, len(buf)
 
     def take(self, fmt: str):
-        v = struct.unpack_from(fmt, self.buf, self.pos)  # struct.error past the end of the file
-        self.pos += struct.calcsize(fmt)
+        n = struct.calcsize(fmt)
+        if self.pos + n > self.size:
+            raise struct.error(f"the file ends at byte {self.size:,}")
+        v = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
         return v if len(v) > 1 else v[0]
 
     def string(self) -> str:
