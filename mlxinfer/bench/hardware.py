@@ -150,9 +150,35 @@ def machine_key(label: str, cores: int, memory: int) -> str:
     return f"{label}|{cores}|{memory // (1 << 20)}MiB|v{PROBE_VERSION}"
 
 
-def measured_bandwidth(label: str, cores: int, memory: int, *, refresh: bool = False) -> tuple[float, str]:
-    """(GB/s, source) from the cache, probing and caching (atomically) on first use."""
-    path, key = _cache_file(), machine_key(label, cores, memory)
+def probe_device_bandwidth(size_mb: int = 512, repeats: int = 5) -> float:
+    """Measured copy bandwidth of MLX's default device in GB/s (for GPUs: their own memory, not the host's):
+    ``x * 1`` reads and writes every byte once; synchronised, best of N."""
+    import mlx.core as mx
+
+    x = mx.ones((size_mb * (1 << 20) // 4,), dtype=mx.float32)
+    mx.eval(x)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass allocates the output
+        mx.synchronize()
+        t = time.perf_counter()
+        y = x * 1
+        mx.eval(y)
+        mx.synchronize()
+        best = min(best, time.perf_counter() - t)
+        del y
+    return 2 * x.nbytes / best / 1e9
+
+
+_PROBES = {
+    "cpu": (probe_copy_bandwidth, "NumPy copy of 128 MiB on {cores} threads, best of 4"),
+    "gpu": (probe_device_bandwidth, "MLX copy of 512 MiB on the GPU, best of 5"),
+}
+
+
+def measured_bandwidth(label: str, cores: int, memory: int, *, device: str = "cpu",
+                       refresh: bool = False) -> tuple[float, str]:
+    """(GB/s, source) from the cache, probing ``device`` ("cpu" or "gpu") and caching atomically on first use."""
+    path, key = _cache_file(), machine_key(label, cores, memory) + ("" if device == "cpu" else f"|{device}")
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -160,8 +186,8 @@ def measured_bandwidth(label: str, cores: int, memory: int, *, refresh: bool = F
     entry = cached.get(key) if isinstance(cached, dict) else None
     if entry and not refresh:
         return float(entry["gbps"]), f"measured copy probe, cached {entry['when']} ({entry['method']})"
-    gbps = probe_copy_bandwidth()
-    method = f"NumPy copy of 128 MiB on {cores} threads, best of 4"
+    probe, method = _PROBES[device]
+    gbps, method = probe(), method.format(cores=cores)
     cached = cached if isinstance(cached, dict) else {}
     cached[key] = {"gbps": gbps, "when": time.strftime("%Y-%m-%d"), "method": method}
     try:
@@ -188,7 +214,10 @@ def hardware_info(*, bandwidth_gbps: float | None = None, probe: bool = True) ->
         return info
     found = apple_bandwidth(chip, _apple_cpu_cores() or cores) if sys.platform == "darwin" else None
     if found is None and probe:
-        found = measured_bandwidth(chip, cores, memory)
+        # Decode streams weights from the memory of the device MLX computes on: probe that one.
+        on_gpu = backend() in ("metal", "cuda")
+        label = (info["gpu"] or chip) if on_gpu else chip
+        found = measured_bandwidth(label, cores, memory, device="gpu" if on_gpu else "cpu")
     if found:
         info.update(bandwidth_gbps=found[0], bandwidth_source=found[1])
     return info

@@ -26,7 +26,8 @@ def test_non_apple_chips_are_not_in_the_table():
 def test_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(hardware, "probe_copy_bandwidth", lambda: calls.append(1) or 12.5)
+    monkeypatch.setitem(hardware._PROBES, "cpu", (lambda: calls.append(1) or 12.5, "fake"))
+    monkeypatch.setitem(hardware._PROBES, "gpu", (lambda: calls.append(2) or 900.0, "fake gpu"))
     first = hardware.measured_bandwidth("cpu X", 4, 8 << 30)
     second = hardware.measured_bandwidth("cpu X", 4, 8 << 30)
     assert first[0] == second[0] == 12.5 and len(calls) == 1
@@ -35,10 +36,13 @@ def test_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert list(saved.values())[0]["gbps"] == 12.5
     hardware.measured_bandwidth("cpu Y", 4, 8 << 30)  # another machine: probed again
     assert len(calls) == 2
+    assert hardware.measured_bandwidth("cpu X", 4, 8 << 30, device="gpu")[0] == 900.0  # the GPU: its own entry
+    assert calls == [1, 1, 2]
 
 
-def test_real_probe_and_machine_info():
+def test_real_probes_and_machine_info():
     assert hardware.probe_copy_bandwidth(size_mb=8, repeats=1) > 0
+    assert hardware.probe_device_bandwidth(size_mb=8, repeats=1) > 0  # MLX's default device (the CPU here)
     info = hardware.hardware_info(bandwidth_gbps=100.0)
     assert info["bandwidth_gbps"] == 100.0 and info["bandwidth_source"] == "given with --bandwidth"
     assert info["cpu_cores"] >= 1 and info["memory_bytes"] > 0 and info["chip"]
