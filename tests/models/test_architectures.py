@@ -59,6 +59,7 @@ def test_load_reports(arch, tiny):
     dense = sum(v.size for _, v in tree_flatten(model_cls(args_cls.from_dict(config)).parameters()))
     assert tiny.num_parameters() == dense
     assert tiny.kernels == "builtin"
+    assert config["eos_token_id"] in tiny.eos_token_ids and "<|im_start|>" in tiny.chat_template  # SmolLM2's
 
     floating = {str(v.dtype) for _, v in tree_flatten(tiny.model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
     expected = "float32" if tiny.backend == "cpu" else "float16"
