@@ -37,8 +37,8 @@ def convert_cmd(
     run_eval: Annotated[Optional[bool], typer.Option("--eval/--no-eval", help="Quality report vs the source "
                                                                               "(default: on for small models).",
                                                      show_default=False)] = None,
-    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="Tokens of the built-in sample to "
-                                                                             "compare (default 2048; 128 on CPU).")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option(
+        "--eval-tokens", help="Tokens of the built-in sample to compare (default 2048; 128 on CPU).")] = None,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest weight file; bounds peak memory.")] = "1GB",
     revision: Annotated[Optional[str], typer.Option("--revision", help="Hub branch, tag or commit.")] = None,
     alias: Annotated[Optional[str], typer.Option("--alias", help="Add the result to your models.toml as NAME.")] = None,
@@ -84,6 +84,17 @@ def convert_cmd(
     typer.echo("\n".join(lines))
 
 
+# Backslashes keep Rich from reading [default] / [[rule]] as markup.
+_EPILOG = (
+    "Examples: mlxinfer convert Qwen/Qwen3-0.6B -o qwen3-4bit --bits 4 · "
+    "mlxinfer convert model.gguf -o m --recipe mixed_4_6 --alias mine · "
+    "mlxinfer convert ./mlx-4bit -o ./f16 --dequantize.  "
+    "A TOML recipe: \\[default] bits = 4 / \\[\\[rule]] match = \"down_proj\" "
+    "layers = \"sensitive\" bits = 6 "
+    "(layers: first, last, edges, sensitive, [0, -1] or \"2-5\"; quantize = false keeps a layer in --dtype)."
+)
+
+
 def register(app: typer.Typer) -> None:
     app.command("convert", help="Convert Hugging Face safetensors or GGUF to an MLX model (quantize, recipes, "
-                                "quality report).")(convert_cmd)
+                                "quality report).", epilog=_EPILOG)(convert_cmd)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import fnmatch
-import json
 import os
 import shutil
 import tempfile
@@ -103,7 +102,8 @@ def _check_disk(where: Path, need: int, what: str) -> None:
     need = int(need * 1.02) + (16 << 20)
     if free < need:
         raise InsufficientDisk(f"not enough disk space in {where} for {what}: "
-                               f"{need / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free", hint="free space or choose another -o")
+                               f"{need / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free",
+                               hint="free space or choose another -o")
 
 
 def _eval_defaults(opts: ConvertOptions, params: int) -> tuple[bool, int]:
