@@ -49,9 +49,8 @@ ARCHS: dict[str, Arch] = {
                          "sliding_window_pattern": 2, "rope_local_base_freq": 10000.0, "rope_theta": 1e6},
                         what="sliding-window + global layers, (1 + w) norms, scaled embeddings"),
     "ministral3": Arch({"model_type": "ministral3", "architectures": ["Ministral3ForCausalLM"], "head_dim": 16,
-                        "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-                        # A tiny original context makes the position-dependent query scaling change inside a prompt.
-                        # Real Ministral 3 configs use YaRN; a tiny original context makes both YaRN and the
+                        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "max_position_embeddings": 128,
+                        # Real Ministral 3 configs use YaRN (factor = 128 / 8); a tiny original context makes the
                         # position-dependent query scaling (floor(pos / 8)) change inside a short prompt.
                         "rope_parameters": {"rope_type": "yarn", "type": "yarn", "rope_theta": 1e6, "factor": 16.0,
                                             "original_max_position_embeddings": 8, "beta_fast": 32.0,
