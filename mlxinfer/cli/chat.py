@@ -13,7 +13,9 @@ import typer
 
 from . import options as o
 
-Context = Annotated[Optional[int], typer.Option("--context", "-c", help="Context limit in tokens (default: the model's).")]
+Context = Annotated[
+    Optional[int], typer.Option("--context", "-c", help="Context limit in tokens (default: the model's).")
+]
 SessionName = Annotated[
     Optional[str],
     typer.Option("--session", help="Resume the saved session NAME (or start it); it is saved after every reply."),

@@ -132,8 +132,8 @@ def _sessions(app, arg):
     if not infos:
         app.view.info(f"no saved sessions yet (in {store.sessions_dir()}); save one with /save NAME")
         return
-    rows = [(i.name, f"{i.messages} messages · {i.model} · {time.strftime('%Y-%m-%d %H:%M', time.localtime(i.modified))}")
-            for i in infos]
+    rows = [(i.name, f"{i.messages} messages · {i.model} · "
+                     f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(i.modified))}") for i in infos]
     app.view.table(rows, title=f"Saved sessions ({store.sessions_dir()})")
 
 

@@ -157,6 +157,8 @@ class ChatApp:
                     self.view.error(str(e))
                 continue
             self.run_turn(lambda: self.session.send(text))
+        if self.autosave and self.session_name:  # /set, /undo... since the last reply are kept too
+            self.save(self.session_name, quiet=True)
         self.reader.close()
 
 

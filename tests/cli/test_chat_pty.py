@@ -104,7 +104,8 @@ def test_chat_conversation_commands_and_resume(pty, chat_env):
 
 
 def test_plain_mode_through_a_pipe(chat_env):
-    script = "What is the capital of France?\n/set nonsense 1\n/set temp 0\n\"\"\"\nWhat is the capital\nof France?\n\"\"\"\n"
+    script = ('What is the capital of France?\n/set nonsense 1\n/set temp 0\n'
+              '"""\nWhat is the capital\nof France?\n"""\n')
     out = subprocess.run(ENTRY + ["chat", "--temp", "0", "--max-tokens", "12"], input=script, env=chat_env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
