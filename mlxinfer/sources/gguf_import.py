@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -230,37 +231,42 @@ def _header_info(meta: dict, path: Path) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- conversion
-def _convert_tensor(t: GgufTensor, perm: np.ndarray | None, path: Path):
-    """-> (arrays by suffix, bits or None). ``perm`` reorders rows (Q/K un-permutation)."""
-    import mlx.core as mx
-
+def _decode(t: GgufTensor, perm: np.ndarray | None, path: Path) -> tuple[str, Any, Any]:
+    """The numpy half of a tensor's conversion (runs in worker threads: numpy releases the GIL).
+    ``perm`` reorders rows (Q/K un-permutation). -> ("q", (packed, scales, biases), bits) | ("f", array, kind)
+    | ("r", float32 array to re-quantize, bits)."""
     rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
     if t.kind in REPACK_BITS:
         w, s, b = repack(t.kind, t.data, rows)
-        if perm is not None:
-            w, s, b = w[perm], s[perm], b[perm]
-        return {"weight": mx.array(w), "scales": mx.array(s), "biases": mx.array(b)}, REPACK_BITS[t.kind]
+        return "q", ((w[perm], s[perm], b[perm]) if perm is not None else (w, s, b)), REPACK_BITS[t.kind]
     if t.kind in _FLOAT:
         arr = t.data.view(_FLOAT[t.kind]).reshape(t.shape)
-        if perm is not None:
-            arr = arr[perm]
-        out = mx.array(arr).view(mx.bfloat16) if t.kind == "BF16" else mx.array(arr)
-        if t.kind == "F64" or len(t.shape) == 1:
-            out = out.astype(mx.float32)  # norms stay float32 (tiny); F64 has no MLX matmul
-        return {"weight": out}, None
+        return "f", (arr[perm] if perm is not None else arr), t.kind
     import gguf
 
     try:
         arr = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.type_id)).reshape(t.shape)
-    except (NotImplementedError, ValueError) as e:
+    except NotImplementedError as e:
         raise InvalidModel(f"{path.name}: cannot dequantize {t.kind} tensor '{t.name}' ({e})") from None
-    if perm is not None:
-        arr = arr[perm]
+    arr = (arr[perm] if perm is not None else arr).astype(np.float32)
     if arr.ndim == 1 or arr.shape[-1] % GROUP:
-        return {"weight": mx.array(arr.astype(np.float32))}, None
-    bits = _REQUANT_BITS[t.kind]
-    w, s, b = mx.quantize(mx.array(arr.astype(np.float32)), group_size=GROUP, bits=bits)
-    return {"weight": w, "scales": s.astype(mx.float16), "biases": b.astype(mx.float16)}, bits
+        return "f", arr, "F32"
+    return "r", arr, _REQUANT_BITS[t.kind]
+
+
+def _to_mlx(tag: str, data, extra) -> tuple[dict, int | None]:
+    """The MLX half (main thread) -> (arrays by suffix, bits or None)."""
+    import mlx.core as mx
+
+    if tag == "q":
+        return {k: mx.array(v) for k, v in zip(("weight", "scales", "biases"), data)}, extra
+    if tag == "f":
+        out = mx.array(data).view(mx.bfloat16) if extra == "BF16" else mx.array(data)
+        if extra == "F64" or data.ndim == 1:
+            out = out.astype(mx.float32)  # norms stay float32 (tiny); F64 has no MLX matmul
+        return {"weight": out}, None
+    w, s, b = mx.quantize(mx.array(data), group_size=GROUP, bits=extra)
+    return {"weight": w, "scales": s.astype(mx.float16), "biases": b.astype(mx.float16)}, extra
 
 
 def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) -> Path:
@@ -282,11 +288,8 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
     config = _llm_config(g.meta, arch, has_output="output.weight" in names)
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
-    weights: dict[str, mx.array] = {}
-    bits_of: dict[str, int] = {}
-    for i, t in enumerate(g.tensors):
-        if progress:
-            progress("import", i, len(g.tensors))
+    jobs = []  # (tensor, prefix, suffix, row permutation or None)
+    for t in g.tensors:
         hf = _hf_name(t.name)
         if hf is None:
             if t.name == "rope_freqs.weight" and t.kind == "F32":
@@ -296,20 +299,37 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
                 continue
             raise InvalidModel(f"{path.name}: unknown tensor '{t.name}' for architecture '{arch}'")
         prefix, suffix = hf.rsplit(".", 1)
-        try:
-            perm = None
-            if _ARCHS[arch][2] and prefix.endswith(("q_proj", "k_proj")):
-                rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
+        perm = None
+        if _ARCHS[arch][2] and prefix.endswith(("q_proj", "k_proj")):
+            rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
+            try:
                 perm = _unpermute_rows(rows, n_heads if prefix.endswith("q_proj") else n_kv)
-            arrays, bits = _convert_tensor(t, perm, path)
+            except ValueError as e:
+                raise InvalidModel(f"{path.name}: tensor '{t.name}' does not fit {n_heads} heads ({e})") from None
+        jobs.append((t, prefix, suffix, perm))
+
+    def decode(job):
+        try:
+            return _decode(job[0], job[3], path)
         except (ValueError, IndexError, ZeroDivisionError) as e:  # shapes that do not fit the data
-            raise InvalidModel(f"{path.name}: tensor '{t.name}' is damaged ({e})",
+            raise InvalidModel(f"{path.name}: tensor '{job[0].name}' is damaged ({e})",
                                hint="download the file again") from None
-        if suffix != "weight":  # e.g. attention biases: never quantized
-            arrays = {suffix: arrays["weight"]}
-        weights.update({f"{prefix}.{k}": v for k, v in arrays.items()})
-        if bits is not None:
-            bits_of[prefix] = bits
+
+    weights: dict[str, mx.array] = {}
+    bits_of: dict[str, int] = {}
+    workers = max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        for start in range(0, len(jobs), 2 * workers):  # a bounded window: decoded arrays wait for little
+            window = jobs[start:start + 2 * workers]
+            for k, ((t, prefix, suffix, _), decoded) in enumerate(zip(window, pool.map(decode, window))):
+                if progress:
+                    progress("import", start + k, len(jobs))
+                arrays, bits = _to_mlx(*decoded)
+                if suffix != "weight":  # e.g. attention biases: never quantized
+                    arrays = {suffix: arrays["weight"]}
+                weights.update({f"{prefix}.{key}": v for key, v in arrays.items()})
+                if bits is not None:
+                    bits_of[prefix] = bits
 
     if bits_of:
         main_bits = max(set(bits_of.values()), key=list(bits_of.values()).count)

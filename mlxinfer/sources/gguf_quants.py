@@ -47,10 +47,18 @@ def _repack_exact(kind: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
 
 
 def _pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
-    """(rows, n) integers < 2**bits -> MLX's packing: a little-endian bit stream per row, as uint32 words."""
+    """(rows, n) uint8 values < 2**bits -> MLX's packing: a little-endian bit stream per row, as uint32 words."""
     rows = q.shape[0]
-    octets = q.reshape(-1, 8).astype(np.uint64) << (np.arange(8, dtype=np.uint64) * np.uint64(bits))
-    stream = np.bitwise_or.reduce(octets, axis=1)  # 8 values = `bits` bytes, little-endian
+    if bits == 4:  # element 2i in the low nibble of byte i
+        return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).reshape(rows, -1).view(np.uint32)
+    if bits == 5:  # 8 values -> 5 bytes; uint8 shifts drop the bits that belong to the next byte
+        v = [q.reshape(-1, 8)[:, j] for j in range(8)]
+        out = np.stack([v[0] | (v[1] << 5), (v[1] >> 3) | (v[2] << 2) | (v[3] << 7), (v[3] >> 1) | (v[4] << 4),
+                        (v[4] >> 4) | (v[5] << 1) | (v[6] << 6), (v[6] >> 2) | (v[7] << 3)], axis=1)
+        return out.astype(np.uint8).reshape(rows, -1).view(np.uint32)
+    stream = np.zeros(q.size // 8, np.uint64)  # any width: 8 values = `bits` bytes of a uint64
+    for j in range(8):
+        stream |= q.reshape(-1, 8)[:, j].astype(np.uint64) << np.uint64(j * bits)
     return np.ascontiguousarray(stream.view(np.uint8).reshape(-1, 8)[:, :bits]).reshape(rows, -1).view(np.uint32)
 
 
@@ -71,9 +79,9 @@ def _repack_other(kind: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
         at = 2 if kind == "Q5_0" else 4  # d [, m], 4 bytes of high bits, 16 bytes of nibbles
         blocks = raw.reshape(-1, at + 20)
         d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16)  # (n, 1)
-        qh = np.ascontiguousarray(blocks[:, at:at + 4]).view(np.uint32) >> np.arange(32, dtype=np.uint32)
+        qh = np.unpackbits(blocks[:, at:at + 4], axis=1, bitorder="little")  # (n, 32): bit i = 5th bit of i
         qs = blocks[:, at + 4:]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1) | ((qh & 1).astype(np.uint8) << 4)  # (n, 32)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1) | (qh << 4)  # (n, 32)
         bias = (d.astype(np.float32) * -16).astype(np.float16) if kind == "Q5_0" else \
             np.ascontiguousarray(blocks[:, 2:4]).view(np.float16)
         return _pack_bits(q.reshape(rows, -1), 5), d.reshape(rows, -1), bias.reshape(rows, -1)
@@ -83,6 +91,6 @@ def _repack_other(kind: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np
     qs = blocks[:, 48 if k5 else 16:].reshape(-1, 4, 1, 32)  # chunk c: low nibbles = sub-block 2c, high = 2c+1
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
     if k5:  # bit j of high-bit byte k is the 5th bit of element k of sub-block j
-        q |= ((blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4
+        q |= np.unpackbits(blocks[:, 16:48], axis=1, bitorder="little").reshape(-1, 32, 8).transpose(0, 2, 1) << 4
     packed = _pack_bits(q.reshape(rows, -1), 5 if k5 else 4)
     return packed, scale.astype(np.float16).reshape(rows, -1), (-offset).astype(np.float16).reshape(rows, -1)
