@@ -222,6 +222,17 @@ def test_f16_kept_and_k_quants_converted_within_tolerance(tmp_path, kquant, bits
     assert np.isfinite(_logits(model, [5, 6, 7])).all()
 
 
+def test_bf16_kept_exact(tmp_path):
+    weights = hf_weights()
+    name = "model.layers.0.mlp.up_proj.weight"
+    bits = (weights[name].view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 = the top half of float32
+    types = {name: (QT.BF16, bits.view(np.uint8))}
+    w = load_weights(import_gguf(write_gguf(tmp_path / "m.gguf", weights, QT.Q8_0, types=types)))
+    assert w[name].dtype == mx.bfloat16
+    expected = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(np.array(w[name].astype(mx.float32)), expected)
+
+
 def _logits(model, tokens: list[int]) -> np.ndarray:
     return np.array(model(mx.array([tokens]))[0].astype(mx.float32))
 
