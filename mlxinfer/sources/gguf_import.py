@@ -322,9 +322,9 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
         for start in range(0, len(jobs), 2 * workers):  # a bounded window: decoded arrays wait for little
             window = jobs[start:start + 2 * workers]
             for k, ((t, prefix, suffix, _), decoded) in enumerate(zip(window, pool.map(decode, window))):
-                if progress:
-                    progress("import", start + k, len(jobs))
                 arrays, bits = _to_mlx(*decoded)
+                if progress:
+                    progress("import", start + k + 1, len(jobs))
                 if suffix != "weight":  # e.g. attention biases: never quantized
                     arrays = {suffix: arrays["weight"]}
                 weights.update({f"{prefix}.{key}": v for key, v in arrays.items()})
@@ -378,6 +378,8 @@ def import_gguf(path: Path, progress: Progress | None = None) -> Path:
     if progress:
         progress("hash", 0, 1)
     digest = file_digest(path)
+    if progress:
+        progress("hash", 1, 1)
     target = cache_root() / "gguf" / f"{digest[:24]}-v{IMPORT_VERSION}"
     if not ((target / "config.json").exists() and (target / "model.safetensors").exists()):
         try:

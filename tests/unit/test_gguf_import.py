@@ -352,7 +352,11 @@ def test_config_metadata_tokenizer_and_mlx_lm_load(tmp_path):
 
 def test_reimport_is_a_cache_hit(tmp_path, monkeypatch, cache):
     path = write_gguf(tmp_path / "m.gguf", hf_weights(), QT.Q4_0)
-    first = import_gguf(path)
+    seen = []
+    first = import_gguf(path, progress=lambda stage, done, total: seen.append((stage, done, total)))
+    n_tensors = 2 + 9 * LAYERS + 1  # embeddings, output, final norm + 9 per layer
+    assert seen[:2] == [("hash", 0, 1), ("hash", 1, 1)] and ("import", n_tensors, n_tensors) in seen
+    assert seen[-1] == ("write", 1, 1)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
 
     def boom(*a, **k):
