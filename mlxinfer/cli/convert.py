@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import re
+import sys
 from typing import Annotated, Optional
 
 import typer
 
 _STAGES = {"download": "download", "import": "import", "convert": "Converting tensors", "eval": "Quality check"}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+
+
+def _peak_rss() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kilobytes on Linux
 
 
 def parse_size(text: str) -> int:
@@ -74,6 +84,9 @@ def convert_cmd(
         f"  bits per weight {result.bits_per_weight:.2f}",
         f"  time            {result.seconds:.1f} s",
     ]
+    peak = _peak_rss()
+    if peak:
+        lines.append(f"  peak memory     {format_bytes(peak)} (whole process)")
     if result.quality is not None:
         lines.append("Quality against the source (built-in sample):")
         lines += [f"  {k:<26} {v}" for k, v in result.quality.rows()]
