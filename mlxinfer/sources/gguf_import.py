@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -254,25 +255,58 @@ def _decode(t: GgufTensor, perm: np.ndarray | None, path: Path) -> tuple[str, An
     return "r", arr, _REQUANT_BITS[t.kind]
 
 
-def _to_mlx(tag: str, data, extra) -> tuple[dict, int | None]:
-    """The MLX half (main thread) -> (arrays by suffix, bits or None)."""
+_ST_BYTES = {"U32": 4, "F16": 2, "BF16": 2, "F32": 4}
+
+
+def _plan(t: GgufTensor, prefix: str, suffix: str) -> tuple[list[tuple[str, str, list[int]]], int | None]:
+    """The safetensors entries (name, dtype, shape) a tensor becomes, known before decoding it, and its bits."""
+    lead, n = t.shape[:-1], t.shape[-1]
+    bits = REPACK_BITS.get(t.kind)
+    if bits is None and t.kind in _REQUANT_BITS and len(t.shape) > 1 and n % GROUP == 0:
+        bits = _REQUANT_BITS[t.kind]
+    if bits is not None and suffix == "weight":
+        return [(f"{prefix}.weight", "U32", [*lead, n * bits // 32]), (f"{prefix}.scales", "F16", [*lead, n // GROUP]),
+                (f"{prefix}.biases", "F16", [*lead, n // GROUP])], bits
+    keep = t.kind in ("F16", "BF16", "F32") and len(t.shape) > 1  # norms and biases become float32
+    return [(f"{prefix}.{suffix}", t.kind if keep else "F32", t.shape)], None
+
+
+def _arrays(tag: str, data, extra) -> list[np.ndarray]:
+    """A decoded tensor as the arrays of its plan, in order (main thread: ``mx.quantize`` for re-quantizing)."""
+    if tag == "q":
+        return list(data)
+    if tag == "f":
+        keep = extra in ("F16", "BF16", "F32") and data.ndim > 1  # BF16 stays raw uint16: the same bytes
+        return [data if keep else data.astype(np.float32)]
     import mlx.core as mx
 
-    if tag == "q":
-        return {k: mx.array(v) for k, v in zip(("weight", "scales", "biases"), data)}, extra
-    if tag == "f":
-        out = mx.array(data).view(mx.bfloat16) if extra == "BF16" else mx.array(data)
-        if extra == "F64" or data.ndim == 1:
-            out = out.astype(mx.float32)  # norms stay float32 (tiny); F64 has no MLX matmul
-        return {"weight": out}, None
     w, s, b = mx.quantize(mx.array(data), group_size=GROUP, bits=extra)
-    return {"weight": w, "scales": s.astype(mx.float16), "biases": b.astype(mx.float16)}, extra
+    return [np.array(w), np.array(s.astype(mx.float16)), np.array(b.astype(mx.float16))]
+
+
+def _write_safetensors(path: Path, plan: list[tuple[str, str, list[int]]], chunks) -> None:
+    """Stream ``chunks`` (numpy arrays in plan order) into a safetensors file whose header is known up front."""
+    header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    for name, dtype, shape in plan:
+        size = math.prod(shape) * _ST_BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for (name, _, _), arr in zip(plan, chunks):
+            data = np.ascontiguousarray(arr)
+            if data.nbytes != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                raise InvalidModel(f"{path.name}: tensor '{name}' has {data.nbytes} bytes, not the expected size")
+            f.write(memoryview(data).cast("B"))
 
 
 def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) -> Path:
-    """Convert ``path`` into an MLX model directory at ``out_dir`` (written atomically)."""
-    import mlx.core as mx
+    """Convert ``path`` into an MLX model directory at ``out_dir`` (written atomically).
 
+    Tensors are decoded in order and streamed into model.safetensors, so memory stays at a few tensors."""
     path, out_dir = Path(path), Path(out_dir)
     g = read_gguf(path)
     arch = g.meta.get("general.architecture")
@@ -315,28 +349,26 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
             raise InvalidModel(f"{path.name}: tensor '{job[0].name}' is damaged ({e})",
                                hint="download the file again") from None
 
-    weights: dict[str, mx.array] = {}
-    bits_of: dict[str, int] = {}
-    workers = max(1, min(8, os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers) as pool:
-        for start in range(0, len(jobs), 2 * workers):  # a bounded window: decoded arrays wait for little
-            window = jobs[start:start + 2 * workers]
-            for k, ((t, prefix, suffix, _), decoded) in enumerate(zip(window, pool.map(decode, window))):
-                arrays, bits = _to_mlx(*decoded)
-                if progress:
-                    progress("import", start + k + 1, len(jobs))
-                if suffix != "weight":  # e.g. attention biases: never quantized
-                    arrays = {suffix: arrays["weight"]}
-                weights.update({f"{prefix}.{key}": v for key, v in arrays.items()})
-                if bits is not None:
-                    bits_of[prefix] = bits
-
+    plans = [_plan(t, prefix, suffix) for t, prefix, suffix, _ in jobs]
+    bits_of = {job[1]: bits for job, (_, bits) in zip(jobs, plans) if bits is not None}
     if bits_of:
         main_bits = max(set(bits_of.values()), key=list(bits_of.values()).count)
         quant: dict[str, Any] = {"group_size": GROUP, "bits": main_bits, "mode": "affine"}
         quant.update({p: {"group_size": GROUP, "bits": b} for p, b in bits_of.items() if b != main_bits})
         config["quantization"] = config["quantization_config"] = quant
     config["mlxinfer"] = _header_info(g.meta, path)
+
+    def chunks():
+        """Decoded arrays in plan order; tensors are decoded a bounded window ahead in worker threads."""
+        workers = max(1, min(8, os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            for start in range(0, len(jobs), 2 * workers):
+                window = jobs[start:start + 2 * workers]
+                for k, decoded in enumerate(pool.map(decode, window)):
+                    arrays = _arrays(*decoded)
+                    if progress:
+                        progress("import", start + k + 1, len(jobs))
+                    yield from arrays
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
@@ -347,9 +379,9 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
         config.update(gen)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        _write_safetensors(tmp / "model.safetensors", [e for plan, _ in plans for e in plan], chunks())
         if progress:
             progress("write", 0, 1)
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         _publish(tmp, out_dir)
         if progress:
             progress("write", 1, 1)
