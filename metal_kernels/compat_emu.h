@@ -1,15 +1,17 @@
 // compat_emu.h — run MLX-generated Metal kernel source as C++20 on the CPU (test infrastructure only).
 //
 // Execution model: threadgroups run one after another; the threads of one threadgroup are cooperative fibers
-// (ucontext) scheduled round-robin on one OS thread. threadgroup_barrier blocks a fiber until every thread of
+// (ucontext) on one OS thread, resumed in a freshly shuffled order on every sweep (fixed seed: reproducible), so a
+// thread that reads another's threadgroup data without a barrier in between sees it stale in most runs. threadgroup_barrier blocks a fiber until every thread of
 // the threadgroup arrives; simd_* collectives block until all 32 lanes of the simdgroup arrive, exchange values
 // through a per-simdgroup slot array, and block again before anyone may reuse the slots. A barrier that some
 // threads never reach (divergence) is reported as an error instead of hanging. Threadgroup memory: the body's
 // `threadgroup T buf[N]` becomes a function-level `static` (safe because threadgroups never overlap).
 //
 // Not checked here: Metal address-space rules (device/constant/thread/threadgroup are erased), Metal-specific
-// compile errors, float16 rounding of intermediate `half` arithmetic, races between threads of a threadgroup
-// that skip a barrier (fibers switch only at barriers, so such races stay hidden), memory ordering.
+// compile errors, float16 rounding of intermediate `half` arithmetic, races that need preemption between two
+// barriers (fibers switch only at barriers and collectives), memory ordering, device-memory races across
+// threadgroups (they never overlap here).
 #ifndef MLXK_COMPAT_EMU_H
 #define MLXK_COMPAT_EMU_H
 #define MLXK_EMU 1
@@ -165,6 +167,9 @@ inline const char* launch(uint3 grid, uint3 tg, const std::function<void(const A
   g.simd_arrived.assign(n / kSimd, 0);
   g.slots.assign(size_t(n) * 16, 0);
   G = &g;
+  std::vector<int> order(n);
+  for (int t = 0; t < n; ++t) order[t] = t;
+  uint32_t rng = 12345u;  // xorshift32: a fixed, reproducible sequence of schedules
   for (uint gz = 0; gz < groups.z; ++gz)
     for (uint gy = 0; gy < groups.y; ++gy)
       for (uint gx = 0; gx < groups.x; ++gx) {
@@ -189,9 +194,14 @@ inline const char* launch(uint3 grid, uint3 tg, const std::function<void(const A
           makecontext(&g.ctx[t], entry, 0);
           g.state[t] = kRunnable;
         }
-        for (bool progress = true; progress;) {  // round-robin until nobody can run
+        for (bool progress = true; progress;) {  // sweep until nobody can run
           progress = false;
-          for (int t = 0; t < n; ++t) {
+          for (int i = n - 1; i > 0; --i) {  // Fisher-Yates
+            rng ^= rng << 13, rng ^= rng >> 17, rng ^= rng << 5;
+            int j = int(rng % uint32_t(i + 1)), tmp = order[i];
+            order[i] = order[j], order[j] = tmp;
+          }
+          for (int t : order) {
             if (g.state[t] != kRunnable) continue;
             g.current = t;
             swapcontext(&g.sched, &g.ctx[t]);

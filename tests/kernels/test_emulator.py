@@ -26,17 +26,22 @@ def test_kernel_on_emulator(emulator, run_case, case, dtype):
     kc.check(run_case(case, emulator), dtype)
 
 
+# On the CUDA route each simd_sum is five warp shuffles (ten fiber rounds): the long-context cases stay Metal-only.
+CUDA_ROUTE = [p for p in kc.ALL if "-1000-" not in p.id and "-4097-" not in p.id and "-300-" not in p.id
+              and "-1500-" not in p.id]
+
+
 @pytest.fixture(scope="module")
 def cuda_route_emulator():
     emu, recorder = Emulator("cuda"), Recorder()
-    for p in kc.ALL:
+    for p in CUDA_ROUTE:
         run_case, case, _ = p.values
         run_case(case, recorder)
     emu.prepare(recorder.launches)
     return emu
 
 
-@pytest.mark.parametrize("run_case, case, dtype", kc.ALL)
+@pytest.mark.parametrize("run_case, case, dtype", CUDA_ROUTE)
 def test_cuda_route_on_emulator(cuda_route_emulator, run_case, case, dtype):
     # The CUDA-route source (compat_cuda.h + the same bodies, wrapped like MLX's CUDA backend) on the same fibers.
     kc.check(run_case(case, cuda_route_emulator), dtype)

@@ -30,6 +30,11 @@ void reverse(const device float* in, device float* out, uint3 gid, uint tid, uin
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[gid.x] = buf[n - 1 - tid];
 }
+void racy_reverse(const device float* in, device float* out, uint3 gid, uint tid, uint n) {
+  threadgroup float buf[128];
+  buf[tid] = in[gid.x];  // no barrier: a bug the emulator should expose
+  out[gid.x] = buf[n - 1 - tid];
+}
 int main(int argc, char** argv) {
   static float out[64 * 6], in[256], rev[256];
   for (int i = 0; i < 256; ++i) in[i] = float(i);
@@ -45,6 +50,14 @@ int main(int argc, char** argv) {
   if (err) { std::printf("error %s\n", err); return 1; }
   for (int i = 0; i < 256; ++i) std::printf("%g ", rev[i]);
   std::printf("\n");
+  for (int i = 0; i < 256; ++i) in[i] = float(1000 + i);  // differs from the earlier run's leftovers
+  err = mlxemu::launch({256, 1, 1}, {128, 1, 1}, [&](const mlxemu::Attrs& t) {
+    racy_reverse(in, rev, t.thread_position_in_grid, t.thread_index_in_threadgroup, t.threads_per_threadgroup.x);
+  });
+  int wrong = 0;
+  for (int g = 0; g < 2; ++g)
+    for (int i = 0; i < 128; ++i) wrong += rev[g * 128 + i] != in[g * 128 + 127 - i];
+  std::printf("racy wrong %d\n", wrong);
   err = mlxemu::launch({64, 1, 1}, {64, 1, 1}, [&](const mlxemu::Attrs& t) {
     if (t.thread_index_in_threadgroup < 40) threadgroup_barrier(mem_flags::mem_threadgroup);
   });
@@ -86,6 +99,11 @@ def test_threadgroup_memory_and_barrier(output):
     assert rev == [float(g * 128 + 127 - i) for g in range(2) for i in range(128)]
 
 
+def test_a_missing_barrier_gives_wrong_results(output):
+    wrong = int(output[2].split()[-1])
+    assert wrong > 64, "reading threadgroup memory without a barrier should see stale values"
+
+
 def test_divergent_barriers_are_reported(output):
-    assert "barrier divergence" in output[2] and "24 of 64 threads finished" in output[2]
-    assert "barrier divergence" in output[3]
+    assert "barrier divergence" in output[3] and "24 of 64 threads finished" in output[3]
+    assert "barrier divergence" in output[4]
