@@ -3,6 +3,7 @@
 
     python scripts/kernel_bench.py                       # all models, M = 1 and 4, contexts 512/4096/16384
     python scripts/kernel_bench.py --models llama-3.2-1b --rows 1 --contexts 1024 --repeat 5 --json out.json
+    python scripts/kernel_bench.py --parity [--model DIR_OR_ALIAS] [--emulate metal|cuda]   # greedy-token parity
 
 On Metal it times the .metal kernels, on CUDA the same bodies through mx.fast.cuda_kernel, on the CPU the native
 provider (mlxinfer.native) when it is built; otherwise only the built-in column is filled.
@@ -18,7 +19,8 @@ from dataclasses import asdict
 
 import mlx.core as mx
 
-from mlxinfer.kernels.microbench import MODELS, markdown, provider_name, run_microbench
+from mlxinfer.errors import MlxinferError
+from mlxinfer.kernels.microbench import MODELS, markdown, model_parity, provider_name, run_microbench
 from mlxinfer.kernels.patch import backend
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -34,7 +36,21 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--json", help="also write the rows as JSON to this path")
+    ap.add_argument("--parity", action="store_true", help="greedy-decode a model with built-in vs custom kernels")
+    ap.add_argument("--model", help="for --parity: alias, Hub id, MLX dir or .gguf (default: the bundled model)")
+    ap.add_argument("--emulate", choices=["metal", "cuda"], help="for --parity: run the kernels on the CPU emulator")
+    ap.add_argument("--max-tokens", type=int, default=8)
     args = ap.parse_args(argv)
+
+    if args.parity:
+        try:
+            r = model_parity(args.model, max_tokens=args.max_tokens, emulate=args.emulate)
+        except MlxinferError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"built-in: {r.builtin_tokens}\n{r.kernels}: {r.custom_tokens}\n"
+              f"{'EQUAL' if r.equal else 'DIFFERENT'} greedy tokens; max |Δ log-prob| {r.max_logprob_diff:.3g}")
+        return 0 if r.equal else 1
 
     print(f"# kernel micro-benchmark — backend {backend()}, kernels {provider_name()}, MLX {mx.__version__}, "
           f"{platform.machine()}", flush=True)

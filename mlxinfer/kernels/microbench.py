@@ -146,3 +146,51 @@ def markdown(rows: List[BenchRow]) -> str:
         err = "—" if r.max_abs_err is None else f"{r.max_abs_err:.2g}"
         lines.append(f"| {r.kernel} | {r.shape} | {r.dtype} | {r.builtin_us:.1f} | {custom} | {speed} | {err} |")
     return "\n".join(lines)
+
+
+@dataclass
+class ParityResult:
+    kernels: str  # the provider that ran in the custom pass
+    builtin_tokens: List[int]
+    custom_tokens: List[int]
+    max_logprob_diff: float
+
+    @property
+    def equal(self) -> bool:
+        return self.builtin_tokens == self.custom_tokens
+
+
+def model_parity(model: Optional[str] = None, *, prompt: str = "The capital of France is", max_tokens: int = 8,
+                 emulate: Optional[str] = None) -> ParityResult:
+    """Greedy-decode ``model`` (default: the bundled one) with MLX's built-ins, then with the custom kernels, and
+    compare. ``emulate="metal"|"cuda"`` runs the kernels on the CPU emulator instead (slow: for CI-less checks)."""
+    from mlx_lm.generate import generate_step
+
+    from mlxinfer.engine.loader import load
+    from mlxinfer.kernels import patch
+
+    loaded = load(model, kernels="builtin")
+    ids = mx.array(loaded.tokenizer.encode(prompt))
+
+    def decode():
+        steps = list(generate_step(ids, loaded.model, max_tokens=max_tokens))
+        return [int(t) for t, _ in steps], [lp.astype(mx.float32) for _, lp in steps]
+
+    want, want_lp = decode()
+    provider = None
+    if emulate is not None:
+        from mlxinfer.kernels.emulator import Emulator
+        from mlxinfer.kernels.gpu import GpuKernels
+
+        provider = GpuKernels("metal", run=Emulator(emulate), name=f"{emulate}-emulated")
+    original = patch.select_provider
+    if provider is not None:
+        patch.select_provider = lambda name=None: (provider, "emulated on the CPU")
+    try:
+        report = patch.apply_kernels(loaded.model, "custom")
+        got, got_lp = decode()
+    finally:
+        patch.select_provider = original
+        patch.apply_kernels(loaded.model, "builtin")
+    diff = max((mx.abs(a - b).max().item() for a, b in zip(want_lp, got_lp)), default=0.0)
+    return ParityResult(report.name, want, got, diff)
