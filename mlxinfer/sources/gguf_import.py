@@ -333,6 +333,8 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
                 continue
             raise InvalidModel(f"{path.name}: unknown tensor '{t.name}' for architecture '{arch}'")
         prefix, suffix = hf.rsplit(".", 1)
+        if suffix != "weight" and t.kind not in _FLOAT:
+            raise InvalidModel(f"{path.name}: '{t.name}' is stored as {t.kind}; biases must be float")
         perm = None
         if _ARCHS[arch][2] and prefix.endswith(("q_proj", "k_proj")):
             rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
