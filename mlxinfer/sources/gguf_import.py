@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import InvalidModel
+from .gguf_config import ARCHS, generation_config, header_info, llama3_rope_scaling, llm_config
 from .gguf_file import GgufTensor, read_gguf
 from .gguf_quants import REPACK_BITS, repack
 from .gguf_tokenizer import check_tokenizer, write_tokenizer
@@ -33,13 +34,6 @@ from .gguf_tokenizer import check_tokenizer, write_tokenizer
 IMPORT_VERSION = 3
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
-# GGUF architecture -> HF model_type / class, and whether llama.cpp permuted Q/K rows at conversion.
-_ARCHS = {
-    "llama": ("llama", "LlamaForCausalLM", True),
-    "mistral": ("mistral", "MistralForCausalLM", True),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
-}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -128,109 +122,6 @@ def _unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
     return np.arange(n_rows).reshape(n_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _llm_config(meta: dict, arch: str, has_output: bool) -> dict:
-    def get(key, default=None):
-        return meta.get(f"{arch}.{key}", default)
-
-    model_type, cls, _ = _ARCHS[arch]
-    try:
-        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-        config = {
-            "model_type": model_type, "architectures": [cls],
-            "hidden_size": hidden,
-            "num_hidden_layers": int(get("block_count")),
-            "intermediate_size": int(get("feed_forward_length")),
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(get("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(get("context_length", 4096)),
-            "vocab_size": len(meta["tokenizer.ggml.tokens"]),
-            "tie_word_embeddings": not has_output,
-            "head_dim": int(get("attention.key_length", hidden // heads)),
-        }
-    except (TypeError, KeyError, ValueError, ZeroDivisionError) as e:
-        raise InvalidModel(f"GGUF metadata lacks or garbles {e}", hint="the file is incomplete or not an LLM") from None
-    if arch == "qwen2":
-        config["attention_bias"] = True
-    scaling = get("rope.scaling.type")
-    if scaling and scaling != "none":
-        config["rope_scaling"] = {
-            "type": scaling, "rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0)),
-            "original_max_position_embeddings": int(get("rope.scaling.original_context_length", 0)) or None,
-        }
-    return config
-
-
-def _llama3_rope_scaling(factors: np.ndarray, base: float, head_dim: int) -> dict:
-    """Llama 3.x GGUFs carry their RoPE scaling as a per-frequency factor tensor (``rope_freqs``); recover the
-    ``llama3`` rope_scaling parameters that llama.cpp's converter computed it from (it uses this formula)."""
-    wavelen = 2 * np.pi * base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    factor = float(factors.max())
-    for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
-        for low in (1.0, 2.0, 0.5):
-            for high in (4.0, 2.0, 8.0, 1.0):
-                if high <= low:
-                    continue
-                smooth = (orig / wavelen - low) / (high - low)
-                expected = np.where(wavelen < orig / high, 1.0, np.where(
-                    wavelen > orig / low, factor, 1 / ((1 - smooth) / factor + smooth)))
-                if np.allclose(expected, factors, rtol=1e-4, atol=1e-6):
-                    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                            "high_freq_factor": high, "original_max_position_embeddings": orig}
-    raise InvalidModel("the GGUF's rope_freqs factors do not follow the Llama 3 RoPE scaling rule",
-                       hint="this RoPE scaling is not supported yet")
-
-
-_EOG_TEXTS = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-              "<|end_of_text|>", "<EOT>"}
-
-
-def _generation_config(meta: dict) -> dict:
-    """BOS and the end-of-generation ids: EOS, then EOT/EOM and the end-of-turn tokens llama.cpp detects."""
-    gen: dict[str, Any] = {}
-    if meta.get("tokenizer.ggml.bos_token_id") is not None:
-        gen["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
-    eos = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
-           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
-    # llama.cpp also ends generation at these control tokens when the vocabulary has them
-    tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type") or []
-    eos += [i for i, tok in enumerate(tokens) if tok in _EOG_TEXTS and (not types or types[i] in (3, 4))]
-    eos = list(dict.fromkeys(eos))
-    if eos:
-        gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    return gen
-
-
-# general.file_type names for the common files (no ``gguf`` import needed on the fast path)
-_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
-               12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
-               32: "BF16"}
-
-
-def _file_type_name(value: int) -> str:
-    if value in _FILE_TYPES:
-        return _FILE_TYPES[value]
-    import gguf
-
-    try:
-        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
-    except ValueError:
-        return str(value)
-
-
-def _header_info(meta: dict, path: Path) -> dict:
-    """What the chat header and `models` show: name, size label, file type; from ``general.*``."""
-    info = {"source": "gguf", "file": path.name, "import_version": IMPORT_VERSION}
-    for key in ("name", "basename", "finetune", "size_label", "organization", "license", "quantization_version"):
-        if meta.get(f"general.{key}") is not None:
-            info[key] = meta[f"general.{key}"]
-    if meta.get("general.file_type") is not None:
-        info["file_type"] = int(meta["general.file_type"])
-        info["file_type_name"] = _file_type_name(int(meta["general.file_type"]))
-    return info
-
-
 # -------------------------------------------------------------------------------------------- conversion
 def _decode(t: GgufTensor, perm: np.ndarray | None, path: Path) -> tuple[str, Any, Any]:
     """The numpy half of a tensor's conversion (runs in worker threads: numpy releases the GIL).
@@ -310,16 +201,16 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
     path, out_dir = Path(path), Path(out_dir)
     g = read_gguf(path)
     arch = g.meta.get("general.architecture")
-    if arch not in _ARCHS:
+    if arch not in ARCHS:
         raise InvalidModel(
-            f"{path.name}: unsupported GGUF architecture '{arch}'", hint=f"supported: {', '.join(sorted(_ARCHS))}")
+            f"{path.name}: unsupported GGUF architecture '{arch}'", hint=f"supported: {', '.join(sorted(ARCHS))}")
     for t in g.tensors:  # fail before any work
         if t.kind not in REPACK_BITS and t.kind not in _FLOAT and t.kind not in _REQUANT_BITS:
             raise InvalidModel(f"{path.name}: unsupported GGUF tensor type {t.kind} in '{t.name}'",
                                hint="re-export the model as Q8_0, Q4_0, Q4_K or F16")
     check_tokenizer(g.meta)  # before the slow part
     names = {t.name for t in g.tensors}
-    config = _llm_config(g.meta, arch, has_output="output.weight" in names)
+    config = llm_config(g.meta, arch, has_output="output.weight" in names)
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
     jobs = []  # (tensor, prefix, suffix, row permutation or None)
@@ -328,7 +219,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
         if hf is None:
             if t.name == "rope_freqs.weight" and t.kind == "F32":
                 # mlx-lm recomputes these factors from config.json's rope_scaling
-                config["rope_scaling"] = _llama3_rope_scaling(
+                config["rope_scaling"] = llama3_rope_scaling(
                     t.data.view(np.float32), config["rope_theta"], config["head_dim"])
                 continue
             raise InvalidModel(f"{path.name}: unknown tensor '{t.name}' for architecture '{arch}'")
@@ -336,7 +227,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
         if suffix != "weight" and t.kind not in _FLOAT:
             raise InvalidModel(f"{path.name}: '{t.name}' is stored as {t.kind}; biases must be float")
         perm = None
-        if _ARCHS[arch][2] and prefix.endswith(("q_proj", "k_proj")):
+        if ARCHS[arch][2] and prefix.endswith(("q_proj", "k_proj")):
             rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
             try:
                 perm = _unpermute_rows(rows, n_heads if prefix.endswith("q_proj") else n_kv)
@@ -358,7 +249,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
         quant: dict[str, Any] = {"group_size": GROUP, "bits": main_bits, "mode": "affine"}
         quant.update({p: {"group_size": GROUP, "bits": b} for p, b in bits_of.items() if b != main_bits})
         config["quantization"] = config["quantization_config"] = quant
-    config["mlxinfer"] = _header_info(g.meta, path)
+    config["mlxinfer"] = {**header_info(g.meta, path), "import_version": IMPORT_VERSION}
 
     def chunks():
         """Decoded arrays in plan order; tensors are decoded a bounded window ahead in worker threads."""
@@ -377,7 +268,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
     try:
         tok_meta = {k: v for k, v in g.meta.items() if k.startswith("tokenizer.")}
         write_tokenizer(tok_meta, tmp, context_length=config["max_position_embeddings"])
-        gen = _generation_config(g.meta)
+        gen = generation_config(g.meta)
         config.update(gen)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))

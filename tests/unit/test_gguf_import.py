@@ -20,7 +20,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from mlxinfer.errors import InvalidModel
-from mlxinfer.sources import gguf_import
+from mlxinfer.sources import gguf_config, gguf_import
 from mlxinfer.sources.gguf_import import import_gguf
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 2, 4, 2, 16, 256
@@ -290,7 +290,7 @@ def test_qk_unpermutation_gives_the_original_logits(tmp_path, monkeypatch):
     np.testing.assert_allclose(_logits(imported, tokens), expected, rtol=1e-4, atol=1e-4)
 
     # the same file imported without un-permuting gives other logits: the check above can fail
-    monkeypatch.setitem(gguf_import._ARCHS, "llama", ("llama", "LlamaForCausalLM", False))
+    monkeypatch.setitem(gguf_config.ARCHS, "llama", ("llama", "LlamaForCausalLM", False))
     monkeypatch.setattr(gguf_import, "IMPORT_VERSION", 999)
     wrong, _ = load(str(import_gguf(tmp_path / "m.gguf")))
     assert np.abs(_logits(wrong, tokens) - expected).max() > 1e-2
