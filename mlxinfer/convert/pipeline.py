@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import fnmatch
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -237,7 +238,8 @@ def convert(
     _check_disk(out.parent, size_before if info.is_gguf else 0, "the conversion")
 
     notes: list[str] = []
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    _remove_stale_temp_dirs(out)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-"))
     try:
         src_dir = info.path
         if info.is_gguf:
@@ -311,6 +313,24 @@ def convert(
         seconds=time.perf_counter() - started, shards=stats.files, quality=quality, alias_file=alias_file,
         notes=notes,
     )
+
+
+def _remove_stale_temp_dirs(out: Path) -> None:
+    """Remove temp dirs that a killed conversion (SIGKILL, power loss) left next to ``out``.
+
+    Their names carry the converting process's id; a directory is only removed when that process is gone.
+    """
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)")
+    for p in out.parent.iterdir() if out.parent.is_dir() else ():
+        m = pattern.match(p.name)
+        if not m or not p.is_dir() or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except OSError:  # alive but not ours (EPERM): leave it
+            continue
 
 
 def _publish(tmp: Path, out: Path, force: bool) -> None:

@@ -203,3 +203,51 @@ def test_quality_check_failure(llama_src, tmp_path):
     with pytest.raises(InvalidModel, match="--no-eval"):
         convert(str(src), tmp_path / "asked", ConvertOptions(bits=4, eval=True, eval_tokens=16))
     assert not (tmp_path / "asked").exists() and _leftovers(tmp_path, "asked") == []
+
+
+def test_stale_temp_dirs_of_dead_processes_are_removed(llama_src, tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is now free: a killed conversion
+    stale = tmp_path / f".out.tmp-{dead.pid}-abcd"
+    stale.mkdir()
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    alive = tmp_path / f".out.tmp-{1}-efgh"  # pid 1 is alive (and not ours): never touched
+    alive.mkdir()
+    convert(str(llama_src), tmp_path / "out", ConvertOptions(bits=4, eval=False))
+    assert not stale.exists() and alive.exists()
+
+
+_SLOW_CLI = """
+import sys, time
+import mlxinfer.convert.writer as w
+real = w.write_shards
+def slow(*a, **k):
+    def tick(name):
+        print("tensor", name, flush=True)
+        time.sleep(0.2)
+    return real(*a, **{**k, "after_tensor": tick})
+w.write_shards = slow
+from mlxinfer.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_killed_cli_leaves_nothing(llama_src, tmp_path, sig):
+    import os
+    import signal
+    import subprocess
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CLI, "convert", str(llama_src), "-o", str(out), "--bits", "4", "--no-eval"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job may inherit SIG_IGN
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent.parent)},
+    )
+    assert proc.stdout.readline().startswith("tensor")
+    proc.send_signal(getattr(signal, sig))
+    proc.communicate(timeout=60)
+    assert not out.exists() and _leftovers(tmp_path, "out") == []
