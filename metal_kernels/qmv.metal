@@ -1,7 +1,8 @@
 // qmv.metal — y = x · Wᵀ for affine-quantized W (MLX format), M = 1…8 activation rows.
 //
-// inputs:  x (M, K) T, row-major | w (N, K*BITS/32) uint32 | scales, biases (N, K/GS) T | params (2,) int32 = [N, K]
-// outputs: y (M, N) T
+// inputs:  x (..., K) T, row-major, M = prod(...) rows | w (N, K*BITS/32) uint32 | scales, biases (N, K/GS) T
+//          | params (2,) int32 = [N, K]
+// outputs: y (..., N) T
 // template: T (float16/bfloat16/float32), GS (32/64/128), BITS (4/8), M (1…8)
 // grid (64, ceil(N/8), 1), threadgroup (64, 1, 1): 2 simdgroups × 4 output rows each; lanes split K.
 // constraints: K % GS == 0 (MLX's quantization guarantees it); any N, any K (no multiple-of-512 rule, unlike

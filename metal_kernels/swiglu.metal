@@ -1,7 +1,8 @@
 // swiglu.metal — fused SwiGLU decode step: h = silu(x · Wgᵀ) ⊙ (x · Wuᵀ), both weights affine-quantized.
 //
-// inputs:  x (M, K) T | wg, wu (N, K*BITS/32) uint32 | sg, bg, su, bu (N, K/GS) T | params (2,) int32 = [N, K]
-// outputs: h (M, N) T
+// inputs:  x (..., K) T, M = prod(...) rows | wg, wu (N, K*BITS/32) uint32 | sg, bg, su, bu (N, K/GS) T
+//          | params (2,) int32 = [N, K]
+// outputs: h (..., N) T
 // template: T (float16/bfloat16/float32), GS (32/64/128), BITS (4/8), M (1…8)
 // grid (64, ceil(N/8), 1), threadgroup (64, 1, 1): 2 simdgroups × 4 rows of both matrices each.
 // Why fused: one launch instead of three (gate, up, activation), x is loaded once per chunk for both matrices,

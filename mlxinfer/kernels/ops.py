@@ -68,25 +68,26 @@ def _qmv_grid(n: int) -> Tuple[int, int, int]:
 
 def quantized_matmul(x, w, scales, biases, *, group_size: int, bits: int, run: Runner) -> mx.array:
     """x (..., K) · dequant(w (N, K·bits/32))ᵀ -> (..., N), like mx.quantized_matmul(transpose=True)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    n, m = w.shape[0], math.prod(x.shape[:-1])
+    # The kernel indexes x and y as flat (M, K) / (M, N) rows, so no reshape ops are needed around it.
+    *lead, k = x.shape
+    n, m = w.shape[0], math.prod(lead)
     launch = Launch(
-        "qmv", [x.reshape(m, k), w, scales, biases, _ints(n, k)], _qmv_template(x.dtype, group_size, bits, m),
-        _qmv_grid(n), (QMV_THREADS, 1, 1), [(m, n)], [x.dtype],
+        "qmv", [x, w, scales, biases, _ints(n, k)], _qmv_template(x.dtype, group_size, bits, m),
+        _qmv_grid(n), (QMV_THREADS, 1, 1), [(*lead, n)], [x.dtype],
     )
-    return run(launch)[0].reshape(*lead, n)
+    return run(launch)[0]
 
 
 def swiglu(x, gate: Sequence[mx.array], up: Sequence[mx.array], *, group_size: int, bits: int,
            run: Runner) -> mx.array:
     """silu(x · Wgᵀ) ⊙ (x · Wuᵀ) with both (N, K) weights quantized: x (..., K) -> (..., N)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    n, m = gate[0].shape[0], math.prod(x.shape[:-1])
+    *lead, k = x.shape
+    n, m = gate[0].shape[0], math.prod(lead)
     launch = Launch(
-        "swiglu", [x.reshape(m, k), *gate, *up, _ints(n, k)], _qmv_template(x.dtype, group_size, bits, m),
-        _qmv_grid(n), (QMV_THREADS, 1, 1), [(m, n)], [x.dtype],
+        "swiglu", [x, *gate, *up, _ints(n, k)], _qmv_template(x.dtype, group_size, bits, m),
+        _qmv_grid(n), (QMV_THREADS, 1, 1), [(*lead, n)], [x.dtype],
     )
-    return run(launch)[0].reshape(*lead, n)
+    return run(launch)[0]
 
 
 def swiglu_unsupported(x, gate, up, group_size: int, bits: int) -> Optional[str]:
