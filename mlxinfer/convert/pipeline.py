@@ -233,6 +233,8 @@ def convert(
     if opts.shard_bytes < 1:
         raise InvalidParameter("the shard size must be positive")
     info = resolve_source(source, revision=opts.revision, progress=progress)
+    if out.resolve() == info.path.resolve():
+        raise OutputExists(f"{out} is the source itself", hint="write the converted model to another -o")
     size_before = info.size_bytes()
     out.parent.mkdir(parents=True, exist_ok=True)
     _check_disk(out.parent, size_before if info.is_gguf else 0, "the conversion")

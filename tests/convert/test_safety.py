@@ -48,6 +48,10 @@ def test_existing_output_is_never_touched_without_force(llama_src, tmp_path):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     r = convert(str(llama_src), out, ConvertOptions(bits=4, eval=False, force=True))
     assert not (out / "keep.txt").exists() and (out / "config.json").exists() and r.out_dir == out
+    # not even with --force may the output be the source itself
+    with pytest.raises(OutputExists, match="the source itself"):
+        convert(str(out), out, ConvertOptions(dequantize=True, force=True))
+    assert (out / "config.json").exists()
     assert _leftovers(tmp_path, "out") == []
 
 
