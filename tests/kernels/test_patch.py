@@ -188,3 +188,27 @@ def test_kernel_files_ship_with_their_contract():
         head = text.split(BODY_MARKER)[0]
         for word in ("inputs:", "outputs:", "template:", "grid"):
             assert word in head, f"{name}.metal header comment lacks {word!r}"
+
+
+def test_other_architectures_route_too(cpu_provider):
+    # qwen2 (attention bias, tied embeddings) goes through the same three swap points.
+    from mlx_lm.models import qwen2
+
+    mx.random.seed(5)
+    model = qwen2.Model(qwen2.ModelArgs(
+        model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+        rms_norm_eps=1e-6, vocab_size=300, num_key_value_heads=2,
+    ))
+    nn.quantize(model, group_size=32, bits=4)
+    fake = CountingProvider()
+    cpu_provider["provider"] = fake
+    original = qwen2.scaled_dot_product_attention
+    try:
+        report = apply_kernels(model)
+        assert "qwen2" in report.detail
+        logits(model, [1, 2, 3])
+        assert fake.calls["sdpa"] == 2 and fake.calls["swiglu"] == 2 and fake.calls["qmm"] > 0
+    finally:
+        apply_kernels(model, "builtin")
+        qwen2.scaled_dot_product_attention = original
+    assert qwen2.scaled_dot_product_attention is original
