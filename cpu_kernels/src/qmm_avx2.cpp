@@ -16,6 +16,8 @@ struct V {
   static V load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static void store(float* p, V a) { _mm256_storeu_ps(p, a.r); }
   static V set1(float f) { return {_mm256_set1_ps(f)}; }
+  static V add(V a, V b) { return {_mm256_add_ps(a.r, b.r)}; }
+  static V mul(V a, V b) { return {_mm256_mul_ps(a.r, b.r)}; }
   static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.r, b.r, c.r)}; }
   static float reduce(V a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.r), _mm256_extractf128_ps(a.r, 1));

@@ -16,6 +16,8 @@ struct V {
   static V load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static void store(float* p, V a) { _mm512_storeu_ps(p, a.r); }
   static V set1(float f) { return {_mm512_set1_ps(f)}; }
+  static V add(V a, V b) { return {_mm512_add_ps(a.r, b.r)}; }
+  static V mul(V a, V b) { return {_mm512_mul_ps(a.r, b.r)}; }
   static V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.r, b.r, c.r)}; }
   static float reduce(V a) { return _mm512_reduce_add_ps(a.r); }
 };

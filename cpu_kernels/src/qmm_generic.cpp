@@ -24,6 +24,14 @@ struct V {
     for (int i = 0; i < 8; ++i) a.f[i] = x;
     return a;
   }
+  static V add(V a, V b) {
+    for (int i = 0; i < 8; ++i) a.f[i] += b.f[i];
+    return a;
+  }
+  static V mul(V a, V b) {
+    for (int i = 0; i < 8; ++i) a.f[i] *= b.f[i];
+    return a;
+  }
   static V fma(V a, V b, V c) {
     for (int i = 0; i < 8; ++i) c.f[i] += a.f[i] * b.f[i];
     return c;
