@@ -10,7 +10,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxinfer.kernels import ops
+from mlxinfer.kernels import ops, reference
 from mlxinfer.kernels.build import Runner, get_kernel, gpu_runner
 
 _NAMES = {"metal": "metal-custom", "cuda": "cuda-custom"}
@@ -50,9 +50,49 @@ def _available(backend: str) -> bool:
     return mx.metal.is_available() if backend == "metal" else mx.cuda.is_available()
 
 
+def self_test(run: Runner, dtype=mx.float16) -> Optional[str]:
+    """Run every kernel once on small shapes against its float32 twin: None if all agree, else what failed.
+
+    Kernel source compiles lazily on first use, so this is where a compile error (or a wrong result on an untested
+    GPU) shows up — at provider creation, where "auto" can still fall back to MLX — instead of mid-generation."""
+    keys = iter(mx.random.split(mx.random.key(7), 8))
+
+    def rand(*shape):
+        return mx.random.normal(shape, key=next(keys)).astype(dtype)
+
+    x, w1, w2 = rand(2, 128), rand(24, 128), rand(24, 128)
+    g, u = (mx.quantize(w, group_size=64, bits=4) for w in (w1, w2))
+    q, k, v = rand(1, 4, 1, 64), rand(1, 2, 300, 64), rand(1, 2, 300, 64)
+    kq, vq = (mx.quantize(t, group_size=64, bits=8) for t in (k, v))
+    checks = {
+        "qmv": (lambda: ops.quantized_matmul(x, *g, group_size=64, bits=4, run=run),
+                lambda: reference.quantized_matmul(x, *g, group_size=64, bits=4)),
+        "swiglu": (lambda: ops.swiglu(x, g, u, group_size=64, bits=4, run=run),
+                   lambda: reference.swiglu(x, g, u, group_size=64, bits=4)),
+        "sdpa": (lambda: ops.sdpa(q, k, v, scale=0.125, mask=None, run=run, nsplit=1),
+                 lambda: reference.sdpa(q, k, v, scale=0.125, mask=None)),
+        "sdpa split-K": (lambda: ops.sdpa(q, k, v, scale=0.125, mask=None, run=run, nsplit=3),
+                         lambda: reference.sdpa(q, k, v, scale=0.125, mask=None)),
+        "quantized sdpa": (
+            lambda: ops.quantized_sdpa(q, kq, vq, scale=0.125, mask=None, group_size=64, bits=8, run=run),
+            lambda: reference.quantized_sdpa(q, kq, vq, scale=0.125, mask=None, group_size=64, bits=8)),
+    }
+    failures = []
+    for name, (kernel, twin) in checks.items():
+        try:
+            got, want = kernel().astype(mx.float32), twin().astype(mx.float32)
+            err = mx.abs(got - want).max().item() / max(1.0, mx.abs(want).max().item())
+        except Exception as exc:  # noqa: BLE001 - a Metal/NVRTC compile error surfaces as a RuntimeError here
+            failures.append(f"{name}: {str(exc).splitlines()[0][:200]}")
+            continue
+        if not err < 1e-2:  # also catches NaN
+            failures.append(f"{name}: wrong result (error {err:.3g})")
+    return "; ".join(failures) or None
+
+
 @functools.lru_cache(maxsize=None)
 def _probe(backend: str):
-    """(provider or None, one-line status). Builds the kernel objects once per process."""
+    """(provider or None, one-line status). Builds and self-tests the kernels once per process."""
     if backend not in _NAMES:
         return None, f"no custom kernels for the {backend} backend"
     if not _available(backend):
@@ -62,7 +102,10 @@ def _probe(backend: str):
             get_kernel(name, backend)
     except (OSError, RuntimeError, ValueError) as exc:  # a broken install: missing .metal files
         return None, f"{backend} kernels could not be built: {exc}"
-    return GpuKernels(backend), f"{_NAMES[backend]} kernels ready"
+    failure = self_test(gpu_runner(backend))
+    if failure is not None:
+        return None, f"{_NAMES[backend]} kernels failed their self-test ({failure})"
+    return GpuKernels(backend), f"{_NAMES[backend]} kernels ready (self-test passed)"
 
 
 def provider(backend: str) -> Optional[GpuKernels]:

@@ -45,3 +45,22 @@ def cuda_route_emulator():
 def test_cuda_route_on_emulator(cuda_route_emulator, run_case, case, dtype):
     # The CUDA-route source (compat_cuda.h + the same bodies, wrapped like MLX's CUDA backend) on the same fibers.
     kc.check(run_case(case, cuda_route_emulator), dtype)
+
+
+def test_provider_self_test(emulator):
+    from mlxinfer.kernels.gpu import self_test
+
+    recorder = Recorder()
+    assert "wrong result" in self_test(recorder)  # zeros; records the instances to compile at once
+    emulator.prepare(recorder.launches)
+    assert self_test(emulator) is None
+
+    def broken(launch):  # a kernel that "runs" but returns the wrong numbers
+        return [o * 2 + 1 for o in emulator(launch)]
+
+    assert "wrong result" in self_test(broken)
+
+    def failing(launch):
+        raise RuntimeError("[metal::Device] Unable to build metal library from source\nerror: ...")
+
+    assert self_test(failing).startswith("qmv: [metal::Device] Unable to build metal library from source; swiglu: ")
