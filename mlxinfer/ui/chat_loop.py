@@ -1,8 +1,9 @@
 """The chat loop: read a line, run a slash command or a turn, show the reply and its stats.
 
-Ctrl-C during a reply: the first press asks the turn to stop at the next token (the partial reply stays in the
-history, marked interrupted, and the cache is re-synced); a second press interrupts at once (the cache is then
-rebuilt on the next turn). Ctrl-C at the prompt tells how to exit; Ctrl-D exits.
+Ctrl-C during a reply asks the turn to stop at the next token (the partial reply stays in the history, marked
+interrupted, and the cache is re-synced). In a terminal it is read as a key between tokens (see chat_view's
+_KeyWatch); elsewhere it arrives as SIGINT, where a second one interrupts at once (the cache is then rebuilt on
+the next turn). Ctrl-C at the prompt tells how to exit; Ctrl-D exits.
 """
 
 from __future__ import annotations
@@ -87,12 +88,20 @@ class ChatApp:
             self.view.notice(f"context full: dropped the {turn.dropped} oldest messages to stay within "
                              f"{s.context_limit} tokens (the system prompt is kept)")
         reply = self.view.reply(s.think)
-        turn.on_prefill = reply.prefill
+
+        def on_prefill(done: int, total: int) -> None:
+            reply.prefill(done, total)
+            if reply.pressed_ctrl_c():
+                turn.cancel()
+
+        turn.on_prefill = on_prefill
         it = iter(turn)
         try:
             with _cancel_on_sigint(turn):
                 for r in it:
                     reply.feed(r.text)
+                    if reply.pressed_ctrl_c():
+                        turn.cancel()
         except KeyboardInterrupt:
             turn.cancel()
         finally:

@@ -75,27 +75,50 @@ class _Tail:
             yield Segment.line()
 
 
-def _quiet_tty():
-    """Turn off echo on the terminal while a reply streams: an echoed ^C or stray keys would shift the live
-    region by a line and leave a copy of it behind. Returns a function that restores the settings."""
-    try:
-        import termios
+class _KeyWatch:
+    """While a reply streams the terminal is put in a quiet, non-canonical mode without signals: nothing is
+    echoed (an echoed ^C or stray keys would shift the live region and leave a stale copy behind) and Ctrl-C
+    arrives as a byte that ``pressed_ctrl_c()`` polls between tokens. Not using SIGINT here matters: a signal
+    landing while MLX waits on its scheduler was seen to hang the process (MLX 0.32, CPU)."""
 
-        fd = sys.stdin.fileno()
-        old = termios.tcgetattr(fd)
-        new = list(old)
-        new[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))
-        termios.tcsetattr(fd, termios.TCSANOW, new)
-    except Exception:  # noqa: BLE001 - no terminal (or no termios): nothing to quiet
-        return lambda: None
-
-    def restore():
+    def __init__(self):
+        self._fd, self._old = None, None
         try:
-            termios.tcsetattr(fd, termios.TCSANOW, old)
-        except Exception:  # noqa: BLE001
+            import termios
+
+            fd = sys.stdin.fileno()
+            old = termios.tcgetattr(fd)
+            new = list(old)
+            new[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG | getattr(termios, "ECHOCTL", 0))
+            new[6] = list(new[6])
+            new[6][termios.VMIN], new[6][termios.VTIME] = 0, 0
+            termios.tcsetattr(fd, termios.TCSANOW, new)
+            self._fd, self._old = fd, old
+        except Exception:  # noqa: BLE001 - no terminal (or no termios): SIGINT does the job instead
             pass
 
-    return restore
+    def pressed_ctrl_c(self) -> bool:
+        if self._fd is None:
+            return False
+        import os
+        import select
+
+        try:
+            if not select.select([self._fd], [], [], 0)[0]:
+                return False
+            return b"\x03" in os.read(self._fd, 1024)  # other keys typed meanwhile are dropped
+        except OSError:
+            return False
+
+    def restore(self) -> None:
+        if self._fd is not None:
+            import termios
+
+            try:
+                termios.tcsetattr(self._fd, termios.TCSANOW, self._old)
+            except Exception:  # noqa: BLE001
+                pass
+            self._fd = None
 
 
 class RichReply:
@@ -103,11 +126,14 @@ class RichReply:
         self.console, self.think = console, think
         self.text = ""
         self._last = 0.0
-        self._restore_tty = _quiet_tty()
+        self._keys = _KeyWatch()
         self._live = Live(console=console, auto_refresh=False, transient=True, redirect_stdout=False,
                           redirect_stderr=False)
         self._live.start()
         self._live.update(Text("…", style="dim"), refresh=True)
+
+    def pressed_ctrl_c(self) -> bool:
+        return self._keys.pressed_ctrl_c()
 
     def prefill(self, done: int, total: int) -> None:
         if not self.text and total > 256:
@@ -125,7 +151,7 @@ class RichReply:
 
     def finish(self, interrupted: bool = False) -> None:
         self._live.stop()  # transient: the live region is erased...
-        self._restore_tty()
+        self._keys.restore()
         if self.text.strip():  # ...and the final rendering printed once, into the scrollback
             self.console.print(reply_renderable(self.text, self.think))
         if interrupted:
@@ -138,6 +164,9 @@ class PlainReply:
     def __init__(self, out, think: str):
         self.out, self.think = out, think
         self.text, self._written = "", 0
+
+    def pressed_ctrl_c(self) -> bool:
+        return False  # plain mode: Ctrl-C comes as SIGINT
 
     def prefill(self, done: int, total: int) -> None:
         pass
