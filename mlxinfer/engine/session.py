@@ -61,7 +61,7 @@ class Turn:
         self.text = ""
         self.stats = None
         self.interrupted = False
-        self.discarded = False          # cancelled before any text: the exchange was removed
+        self.discarded = False          # cancelled before the first token: the exchange was removed
         self.on_prefill = None          # optional callback(done, total) while the prompt is prefilled
         self._cancel = False
         self._started = False
@@ -74,10 +74,10 @@ class Turn:
         self._cancel = True
 
     def _progress(self, done: int, total: int) -> None:
-        if self._cancel and done < total:
-            raise Cancelled
         if self.on_prefill is not None:
-            self.on_prefill(done, total)
+            self.on_prefill(done, total)  # may cancel (the UI polls for Ctrl-C here)
+        if self._cancel and done < total:
+            raise Cancelled  # the chunks done so far are complete in the cache and stay usable
 
     def __iter__(self) -> Iterator[Response]:
         if self._started:

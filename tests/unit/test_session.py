@@ -215,11 +215,12 @@ def test_cancel_during_prefill_stops_at_a_chunk_boundary(tiny):
 
     def progress(done, total):
         seen.append(done)
-        turn.cancel()
+        if done >= CHAT_PREFILL_STEP:
+            turn.cancel()
 
     turn.on_prefill = progress
     run(turn)
-    assert seen == [0] and turn.stats is None  # stopped after the first chunk, before any token
+    assert seen == [0, CHAT_PREFILL_STEP] and turn.stats is None  # stopped after the first chunk
     assert turn.discarded and s.messages == []
     assert s.context_used == CHAT_PREFILL_STEP  # the chunk already computed stays usable
     assert_cache_consistent(s)
