@@ -99,8 +99,9 @@ class Turn:
                 except Cancelled:
                     self._cancel = True
                     break
-                except KeyboardInterrupt:
-                    # Raised inside the model call: a layer's cache may be half-updated, so it cannot be trusted.
+                except BaseException:
+                    # Raised inside the model call (KeyboardInterrupt, an MLX error): a layer's cache may be
+                    # half-updated, so it cannot be trusted.
                     broken = self._cancel = True
                     raise
                 self.text += r.text

@@ -96,6 +96,7 @@ class ChatApp:
 
         turn.on_prefill = on_prefill
         it = iter(turn)
+        failure = None
         try:
             with _cancel_on_sigint(turn):
                 for r in it:
@@ -104,9 +105,13 @@ class ChatApp:
                         turn.cancel()
         except KeyboardInterrupt:
             turn.cancel()
+        except Exception as e:  # noqa: BLE001 - a failed reply must not end the chat (the cache is rebuilt)
+            failure = e
         finally:
             it.close()
             reply.finish(interrupted=turn.interrupted)
+        if failure is not None:
+            self.view.error(f"generation failed: {type(failure).__name__}: {failure}")
         if turn.discarded:
             self.view.notice("stopped before the reply began; the message was dropped (Up arrow brings it back)")
         if turn.stats is not None and self.show_stats:

@@ -224,3 +224,33 @@ def test_cancel_during_prefill_stops_at_a_chunk_boundary(tiny):
     assert turn.discarded and s.messages == []
     assert s.context_used == CHAT_PREFILL_STEP  # the chunk already computed stays usable
     assert_cache_consistent(s)
+
+
+def test_an_error_inside_the_model_resets_the_cache(tiny):
+    import dataclasses
+
+    class Flaky:
+        """The tiny model, failing on its 4th call (mid-reply)."""
+
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            if self.calls == 4:
+                raise RuntimeError("boom")
+            return self.inner(*args, **kwargs)
+
+    s = make_session(dataclasses.replace(tiny, model=Flaky(tiny.model)), max_tokens=20)
+    turn = s.send("Hello")
+    with pytest.raises(RuntimeError, match="boom"):
+        run(turn)
+    assert turn.interrupted and s._cache is None and s.context_used == 0
+    assert s.messages[-1].get("interrupted")  # the tokens that did come are kept, marked
+    s.loaded = tiny
+    t = run(s.send("Again"))
+    assert t.reused == 0 and not t.interrupted
+    assert_cache_consistent(s)
