@@ -16,7 +16,15 @@ ARCHS = {
     "mistral": ("mistral", "MistralForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
 }
+# Per-architecture GGUF block tensor names that differ from the llama mapping.
+BLOCK_NAMES = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight; Gemma's by 1 + w)
+NORM_SHIFT = {"gemma3": 1.0}
 
 
 def llm_config(meta: dict, arch: str, has_output: bool) -> dict:
@@ -44,12 +52,19 @@ def llm_config(meta: dict, arch: str, has_output: bool) -> dict:
         raise InvalidModel(f"GGUF metadata lacks or garbles {e}", hint="the file is incomplete or not an LLM") from None
     if arch == "qwen2":
         config["attention_bias"] = True
+    if arch == "gemma3":
+        # as llama.cpp's loader: sliding-window layers use a local RoPE base, every 6th layer is global, and
+        # queries are scaled by 1/sqrt(head_dim) except on the 27B (62 layers), where it is hidden/heads
+        config.update({
+            "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
+            "sliding_window": int(get("attention.sliding_window", 512)), "sliding_window_pattern": 6,
+            "query_pre_attn_scalar": hidden / heads if config["num_hidden_layers"] == 62 else config["head_dim"],
+        })
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
-        config["rope_scaling"] = {
-            "type": scaling, "rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0)),
-            "original_max_position_embeddings": int(get("rope.scaling.original_context_length", 0)) or None,
-        }
+        config["rope_scaling"] = {"type": scaling, "rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
+        if get("rope.scaling.original_context_length"):
+            config["rope_scaling"]["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
     return config
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import InvalidModel
-from .gguf_config import ARCHS, generation_config, header_info, llama3_rope_scaling, llm_config
+from .gguf_config import ARCHS, BLOCK_NAMES, NORM_SHIFT, generation_config, header_info, llama3_rope_scaling, llm_config
 from .gguf_file import GgufTensor, read_gguf
 from .gguf_quants import REPACK_BITS, repack
 from .gguf_tokenizer import check_tokenizer, write_tokenizer
@@ -106,11 +106,11 @@ def imported_dir(path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- tensor mapping
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = (base.split(".", 2) + ["", ""])[:3]
-        mapped = _BLOCK_NAMES.get(part) if layer.isdigit() else None
+        mapped = (BLOCK_NAMES.get(arch, {}).get(part) or _BLOCK_NAMES.get(part)) if layer.isdigit() else None
         return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
     mapped = _GLOBAL_NAMES.get(base)
     return f"{mapped}.{suffix}" if mapped else None
@@ -213,9 +213,9 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
     config = llm_config(g.meta, arch, has_output="output.weight" in names)
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
-    jobs = []  # (tensor, prefix, suffix, row permutation or None)
+    jobs = []  # (tensor, prefix, suffix, row permutation or None, norm shift)
     for t in g.tensors:
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, arch)
         if hf is None:
             if t.name == "rope_freqs.weight" and t.kind == "F32":
                 # mlx-lm recomputes these factors from config.json's rope_scaling
@@ -233,16 +233,20 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
                 perm = _unpermute_rows(rows, n_heads if prefix.endswith("q_proj") else n_kv)
             except ValueError as e:
                 raise InvalidModel(f"{path.name}: tensor '{t.name}' does not fit {n_heads} heads ({e})") from None
-        jobs.append((t, prefix, suffix, perm))
+        shift = NORM_SHIFT.get(arch, 0.0) if hf.endswith("norm.weight") else 0.0
+        jobs.append((t, prefix, suffix, perm, shift))
 
     def decode(job):
         try:
-            return _decode(job[0], job[3], path)
+            tag, data, extra = _decode(job[0], job[3], path)
+            if job[4] and tag == "f":  # Gemma's norm weights: back from llama.cpp's 1 + w
+                data = data.astype(np.float32) - np.float32(job[4])
+            return tag, data, extra
         except (ValueError, IndexError, ZeroDivisionError) as e:  # shapes that do not fit the data
             raise InvalidModel(f"{path.name}: tensor '{job[0].name}' is damaged ({e})",
                                hint="download the file again") from None
 
-    plans = [_plan(t, prefix, suffix) for t, prefix, suffix, _ in jobs]
+    plans = [_plan(t, prefix, suffix) for t, prefix, suffix, *_ in jobs]
     bits_of = {job[1]: bits for job, (_, bits) in zip(jobs, plans) if bits is not None}
     if bits_of:
         main_bits = max(set(bits_of.values()), key=list(bits_of.values()).count)

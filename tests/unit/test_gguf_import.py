@@ -278,6 +278,61 @@ def test_qwen_architectures_give_the_original_logits(tmp_path, arch):
     np.testing.assert_allclose(_logits(imported, tokens), _logits(original, tokens), rtol=1e-4, atol=1e-4)
 
 
+_GEMMA_NAMES = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def test_gemma3_gives_the_original_logits(tmp_path):
+    """gemma3: llama.cpp's own norm names, RMSNorm weights stored as 1 + w, local/global RoPE and sliding window
+    from the metadata, tied embeddings."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm import load
+    from mlx_lm.models import gemma3_text
+
+    layers, window = 6, 4  # layer 5 is global (pattern 6); a 4-token window matters for 10 tokens
+    original = gemma3_text.Model(gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=HIDDEN, num_hidden_layers=layers, intermediate_size=FFN,
+        num_attention_heads=HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, vocab_size=VOCAB, num_key_value_heads=KV_HEADS,
+        rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=HEAD_DIM, sliding_window=window,
+        sliding_window_pattern=6, max_position_embeddings=128))
+    original.sanitize({})  # no lm_head.weight: tied embeddings, as in the GGUF
+    rng = np.random.default_rng(6)
+    weights = {k: rng.normal(0.0, 0.3 if "norm" in k else 0.1, v.shape).astype(np.float32)
+               for k, v in tree_flatten(original.parameters())}
+    original.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
+
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    for add, value in ((w.add_block_count, layers), (w.add_context_length, 128), (w.add_embedding_length, HIDDEN),
+                       (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),
+                       (w.add_key_length, HEAD_DIM), (w.add_value_length, HEAD_DIM), (w.add_layer_norm_rms_eps, 1e-6),
+                       (w.add_rope_freq_base, 1e6), (w.add_sliding_window, window)):
+        add(value)
+    tokens, toktypes, merges = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(toktypes)
+    w.add_token_merges(merges)
+    for hf, arr in weights.items():
+        base = hf.removesuffix(".weight")
+        if base.startswith("model.layers."):
+            _, _, layer, part = base.split(".", 3)
+            name = f"blk.{layer}.{_GEMMA_NAMES[part]}.weight"
+        else:
+            name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}[base] + ".weight"
+        w.add_tensor(name, arr + 1 if hf.endswith("norm.weight") else arr)  # llama.cpp's Gemma norm convention
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    model_dir = import_gguf(tmp_path / "g.gguf")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["model_type"], config["sliding_window"], config["query_pre_attn_scalar"]) == ("gemma3_text", 4, 16)
+    imported, _ = load(str(model_dir))
+    tokens = [5, 17, 200, 3, 99, 42, 7, 250, 11, 64]
+    np.testing.assert_allclose(_logits(imported, tokens), _logits(original, tokens), rtol=1e-4, atol=1e-4)
+
+
 def test_qk_unpermutation_gives_the_original_logits(tmp_path, monkeypatch):
     from mlx_lm import load
 
