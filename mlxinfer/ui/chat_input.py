@@ -49,7 +49,7 @@ class LineReader:
         self.stream = stream or sys.stdin
         self.prompt_to = prompt_to  # a stream to write a short prompt to (a terminal in --plain), or None
 
-    def read(self) -> str:
+    def read(self, default: str = "") -> str:
         if self.prompt_to:
             self.prompt_to.write(PROMPT)
             self.prompt_to.flush()
@@ -134,10 +134,10 @@ class PromptReader:
             placeholder=FormattedText([("fg:ansibrightblack", "Send a message (/help for commands)")]),
         )
 
-    def read(self) -> str:
+    def read(self, default: str = "") -> str:
         from prompt_toolkit.formatted_text import FormattedText
 
-        text = self.session.prompt(FormattedText([("bold fg:ansimagenta", PROMPT)]))
+        text = self.session.prompt(FormattedText([("bold fg:ansimagenta", PROMPT)]), default=default)
         return strip_block(text)
 
     def close(self) -> None:

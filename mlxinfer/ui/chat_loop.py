@@ -52,6 +52,7 @@ class ChatApp:
         self.autosave = autosave           # --session NAME: save after every reply
         self.registry = registry
         self._load_model = load_model
+        self.typed_ahead = ""              # keys typed while the last reply streamed: the next prompt's text
 
     # ----- models -----
     def load_model(self, arg: str):
@@ -110,6 +111,7 @@ class ChatApp:
         finally:
             it.close()
             reply.finish(interrupted=turn.interrupted)
+            self.typed_ahead = reply.typed_ahead()
         if failure is not None:
             self.view.error(f"generation failed: {type(failure).__name__}: {failure}")
         if turn.discarded:
@@ -155,7 +157,8 @@ class ChatApp:
             self.show_history()
         while True:
             try:
-                text = self.reader.read()
+                text = self.reader.read(self.typed_ahead) if self.typed_ahead else self.reader.read()
+                self.typed_ahead = ""
             except EOFError:
                 break
             except KeyboardInterrupt:

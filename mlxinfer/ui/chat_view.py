@@ -10,6 +10,7 @@ erased and the full rendering is printed once, so the scrollback holds exactly o
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -83,6 +84,7 @@ class _KeyWatch:
 
     def __init__(self):
         self._fd, self._old = None, None
+        self.typed = b""
         try:
             import termios
 
@@ -106,14 +108,29 @@ class _KeyWatch:
         try:
             if not select.select([self._fd], [], [], 0)[0]:
                 return False
-            return b"\x03" in os.read(self._fd, 1024)  # other keys typed meanwhile are dropped
+            data = os.read(self._fd, 1024)
         except OSError:
             return False
+        self.typed += data.replace(b"\x03", b"")  # the user may start the next message while this one streams
+        return b"\x03" in data
+
+    def typed_ahead(self) -> str:
+        """What was typed meanwhile, as the next prompt's starting text (one line; keys like arrows dropped)."""
+        text = re.sub(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|O.|.)", "", self.typed.decode("utf-8", "ignore"))
+        out: list[str] = []
+        for ch in re.split(r"[\r\n]", text)[0]:
+            if ch in "\x7f\b":
+                if out:
+                    out.pop()
+            elif ch.isprintable():
+                out.append(ch)
+        return "".join(out)
 
     def restore(self) -> None:
         if self._fd is not None:
             import termios
 
+            self.pressed_ctrl_c()  # collect the last keys before the terminal goes back to line mode
             try:
                 termios.tcsetattr(self._fd, termios.TCSANOW, self._old)
             except Exception:  # noqa: BLE001
@@ -134,6 +151,9 @@ class RichReply:
 
     def pressed_ctrl_c(self) -> bool:
         return self._keys.pressed_ctrl_c()
+
+    def typed_ahead(self) -> str:
+        return self._keys.typed_ahead()
 
     def prefill(self, done: int, total: int) -> None:
         if not self.text and total > 256:
@@ -167,6 +187,9 @@ class PlainReply:
 
     def pressed_ctrl_c(self) -> bool:
         return False  # plain mode: Ctrl-C comes as SIGINT
+
+    def typed_ahead(self) -> str:
+        return ""
 
     def prefill(self, done: int, total: int) -> None:
         pass

@@ -48,14 +48,16 @@ def test_interrupted_reply_leaves_one_clean_copy_on_screen(chat_env, tmp_path):
         deadline = time.monotonic() + 60
         while len(screen().split("about a dragon.")[-1].split()) < 12 and time.monotonic() < deadline:
             time.sleep(0.3)  # until a dozen words of the reply are on screen
+        tmux("send-keys", "-t", "chat", "-l", "Next quest")  # typed while the reply streams...
+        time.sleep(0.5)
         tmux("send-keys", "-t", "chat", "C-c")
         wait_for("[interrupted]", timeout=20)
-        shown = wait_for("Send a message", timeout=20)
+        shown = wait_for(">>> Next quest", timeout=20)  # ...is kept as the start of the next message
         reply = shown.split("about a dragon.")[-1].split("[interrupted]")[0]
         lines = [ln.strip() for ln in reply.splitlines() if ln.strip()]
         assert lines, shown
         assert len(lines) == len(set(lines)), f"a line of the reply shows twice:\n{shown}"
-        assert "^C" not in shown
+        assert "^C" not in shown and "Next quest" not in reply  # nothing was echoed into the reply
         assert shown.count("Tell me a long story about a dragon.") == 1
         after = shown.split("[interrupted]")[-1]
         assert "interrupted" in after and "tok/s" in after  # the stats line says how the reply ended
