@@ -2,7 +2,7 @@
 
 - Q4_0 / Q4_1 / Q8_0 repack bit-exactly: MLX's dequantization of our tensors equals ``gguf.quants.dequantize``.
 - F16 is kept as F16 (exact); Q4_K repacks up to float16 rounding of its scales; Q6_K is re-quantized to MLX
-  6-bit within one quantization step.
+  8-bit within one quantization step.
 - Q/K rows written with llama.cpp's permutation are un-permuted: the imported model gives the logits of the
   original Hugging Face-layout model.
 - Bad files raise ``InvalidModel`` and leave nothing in the cache; a second import is a cache hit.
@@ -203,22 +203,22 @@ def test_f16_kept_and_k_quants_converted_within_tolerance(tmp_path, kquant, bits
     bound = ((2**bits - 1) * scale + bias) * 2**-11 + 1e-9
     assert (np.abs(got - source).max(axis=1) <= bound).all()
 
-    # Q6_K (16-weight sub-blocks, no MLX equivalent): dequantized and re-quantized to 6 bits, group 32.
-    # mx.quantize's step s = (max - min) / 63 is snapped so the larger-magnitude end is exact (it moves by at
-    # most s / 64, as that end lies >= 31.5 s from 0), so the far end moves < s and interior values stay within
-    # half a step: |error| < s, plus float16 rounding of the stored scale (63 steps) and bias.
+    # Q6_K (16-weight sub-blocks, no MLX equivalent): dequantized and re-quantized to 8 bits, group 32.
+    # mx.quantize's step s = (max - min) / 255 is snapped so the larger-magnitude end is exact (it moves by at
+    # most s / 256, as that end lies >= 127.5 s from 0), so the far end moves < s and interior values stay
+    # within half a step: |error| < s, plus float16 rounding of the stored scale (255 steps) and bias.
     source = gguf.quants.dequantize(raw[q6k], QT.Q6_K).reshape(-1, 32)
-    got = mlx_dequant(w, q6k.removesuffix(".weight"), 6).reshape(-1, 32)
-    step = (source.max(axis=1) - source.min(axis=1)) / 63
-    bound = step + 63 * step * 2**-11 + np.abs(source).max(axis=1) * 2**-11 + 1e-9
+    got = mlx_dequant(w, q6k.removesuffix(".weight"), 8).reshape(-1, 32)
+    step = (source.max(axis=1) - source.min(axis=1)) / 255
+    bound = step + 255 * step * 2**-11 + np.abs(source).max(axis=1) * 2**-11 + 1e-9
     assert (np.abs(got - source).max(axis=1) <= bound).all()
     config = json.loads((model_dir / "config.json").read_text())
     quant = config["quantization"]
-    assert quant.get("model.layers.1.mlp.down_proj", quant)["bits"] == 6
+    assert quant.get("model.layers.1.mlp.down_proj", quant)["bits"] == 8
     assert quant.get("model.layers.0.mlp.down_proj", quant)["bits"] == bits
     from mlx_lm import load
 
-    model, _ = load(str(model_dir))  # the mixed F16 / 4-bit / 6-bit directory loads and runs
+    model, _ = load(str(model_dir))  # the mixed F16 / 4- or 5-bit / 8-bit directory loads and runs
     assert np.isfinite(_logits(model, [5, 6, 7])).all()
 
 
