@@ -166,11 +166,14 @@ def validate(recipe: Recipe) -> None:
 
 
 def resolve_rule(recipe: Recipe, rule: Rule) -> QuantSetting:
-    mode = rule.mode or recipe.default.mode
-    if mode in FIXED_MODES and rule.mode:
-        fb, fg = FIXED_MODES[mode]
-        return QuantSetting(rule.bits or fb, rule.group_size or fg, mode)
-    return QuantSetting(rule.bits or recipe.default.bits, rule.group_size or recipe.default.group_size, mode)
+    d = recipe.default
+    if rule.mode in FIXED_MODES:
+        fb, fg = FIXED_MODES[rule.mode]
+        return QuantSetting(rule.bits or fb, rule.group_size or fg, rule.mode)
+    if rule.mode is None and d.mode in FIXED_MODES and rule.bits and rule.bits != d.bits:
+        # e.g. mixed_4_6 with --mode mxfp4: the 6-bit layers cannot be mxfp4, so they use affine (group 64)
+        return QuantSetting(rule.bits, rule.group_size or 64, "affine")
+    return QuantSetting(rule.bits or d.bits, rule.group_size or d.group_size, rule.mode or d.mode)
 
 
 # -- loading ----------------------------------------------------------------------------------------------

@@ -128,6 +128,15 @@ def test_mxfp4_mode(llama_src, tmp_path):
     q = json.loads((r.out_dir / "config.json").read_text())["quantization"]
     assert q == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
     assert r.quality.kl_mean < 3.0
+    # a mixed recipe over mxfp4: the 6-bit layers cannot be mxfp4 and use affine; mlx-lm loads the mix
+    r = convert(str(llama_src), tmp_path / "mix", ConvertOptions(recipe="mixed_4_6", mode="mxfp4", eval=False))
+    q = json.loads((r.out_dir / "config.json").read_text())["quantization"]
+    assert q["mode"] == "mxfp4" and q["lm_head"] == {"group_size": 64, "bits": 6, "mode": "affine"}
+    from mlx_lm import load
+
+    model, _ = load(str(r.out_dir))
+    modes = {p: m.mode for p, m in model.named_modules() if hasattr(m, "mode")}
+    assert modes["lm_head"] == "affine" and modes["model.layers.1.self_attn.q_proj"] == "mxfp4"
 
 
 def test_cli_convert_alias_and_errors(llama_src, tmp_path, monkeypatch, capsys):
