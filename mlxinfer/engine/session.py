@@ -368,7 +368,10 @@ class Session:
         settings = dict(data.get("settings") or {})
         context = settings.pop("context", None)
         known = set(SamplingParams.names())
-        params = SamplingParams(**{k: v for k, v in settings.items() if k in known})
+        try:
+            params = SamplingParams(**{k: v for k, v in settings.items() if k in known}).validate()
+        except (TypeError, ValueError) as e:
+            raise SessionError(f"the session's settings are invalid ({e})") from None
         if isinstance(context, int) and context > loaded.context_length:
             context = None
         return cls(loaded, params, system=data.get("system"), context=context, think=data.get("think", "on"),

@@ -201,6 +201,9 @@ def test_save_and_load_round_trip(tiny, tmp_path, monkeypatch):
     for bad in ("../x", ".hidden", "a b", ""):
         with pytest.raises(SessionError):
             store.save(bad, s.to_dict())
+    bad = {**data, "settings": {"temperature": "hot"}}
+    with pytest.raises(SessionError, match="settings are invalid"):
+        Session.from_dict(bad, tiny)
     path.write_text(json.dumps({"format": "other"}))
     with pytest.raises(SessionError, match="not an mlxinfer session"):
         store.load("notes-1")
