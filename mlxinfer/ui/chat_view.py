@@ -229,7 +229,8 @@ def header_rows(loaded, session) -> list[tuple[str, str]]:
     import mlx.core as mx
 
     backend = {"metal": "Metal (Apple GPU)", "cuda": "CUDA", "cpu": "CPU"}.get(loaded.backend, loaded.backend)
-    kernels = loaded.kernels + (f" ({loaded.kernels_detail})" if loaded.kernels_detail else "")
+    detail = loaded.kernels_detail or ""
+    kernels = detail if detail.startswith(loaded.kernels) else loaded.kernels + (f" ({detail})" if detail else "")
     params = loaded.spec.params or f"{loaded.num_parameters() / 1e6:,.0f}M"
     rows = [
         ("model", loaded.name + (f" — {loaded.spec.description}" if loaded.spec.description else "")),
