@@ -152,14 +152,16 @@ def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> lis
     BPE with merges ranked by that score does the same.
     """
     ids = {t: i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED, UNUSED)}
-    merges = []
-    for piece, i in ids.items():
+    get, merges = ids.get, []
+    for piece, i in ids.items():  # ~2.5M splits for a 262k vocabulary: kept to plain dict lookups
         for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in ids and right in ids:
-                merges.append((-scores[i], i, ids[left], ids[right], left, right))
+            left = get(piece[:k])
+            if left is not None:
+                right = get(piece[k:])
+                if right is not None:
+                    merges.append((-scores[i], i, left, right))
     merges.sort()
-    return [[m[4], m[5]] for m in merges]
+    return [[tokens[left], tokens[right]] for _, _, left, right in merges]
 
 
 def _spm_tokenizer_json(meta: dict[str, Any], add_bos: bool, add_eos: bool) -> dict:
