@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..errors import MlxinferError
 
     try:
-        app(args=argv, standalone_mode=False)
+        rv = app(args=argv, standalone_mode=False)
+        if isinstance(rv, int) and rv != 0:  # click turns Ctrl-C into Exit(130) and returns it here
+            if rv == 130:
+                print("\ninterrupted", file=sys.stderr)
+            return rv
         return 0
     except MlxinferError as e:
         if debug_enabled():

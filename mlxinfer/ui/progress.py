@@ -12,7 +12,8 @@ from rich.progress import (
     BarColumn, DownloadColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn,
 )
 
-_LABELS = {"download": "Downloading", "import": "Importing GGUF", "write": "Writing MLX weights", "load": "Loading"}
+_LABELS = {"download": "Downloading", "import": "Importing GGUF", "write": "Writing MLX weights", "load": "Loading",
+           "convert": "Converting tensors", "eval": "Quality check"}
 
 
 def stderr_console() -> Console:
