@@ -18,7 +18,8 @@ COMMANDS = ("chat", "generate", "bench", "convert", "models")
 
 app = typer.Typer(
     name="mlxinfer",
-    help="Local LLM chat, benchmark and conversion on MLX (Apple Silicon; CPU elsewhere).",
+    help="Local LLM chat, benchmark and conversion on MLX (Apple Silicon; CPU elsewhere).\n\n"
+    "Without a command, `mlxinfer [MODEL] [chat options]` starts a chat (default model: the bundled smollm2).",
     no_args_is_help=False,
     invoke_without_command=True,
     add_completion=False,
@@ -35,18 +36,21 @@ def _version(value: bool):
 
 @app.callback()
 def _root(
-    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
 ):
-    """With no command, start a chat with the default model."""
-    if ctx.invoked_subcommand is None:
-        chat = sys.modules.get("mlxinfer.cli.chat")
-        if chat is None:
-            typer.echo(ctx.get_help())
-            raise typer.Exit()
-        ctx.invoke(chat.chat)
+    """With no command (or with chat's arguments alone, e.g. `mlxinfer qwen3-0.6b --temp 0`), start a chat."""
 
 
+def _with_default_command(argv: list[str]) -> list[str]:
+    """`mlxinfer [chat args]` means `mlxinfer chat [chat args]`."""
+    if "chat" not in COMMANDS_PRESENT:
+        return argv
+    if not argv or (argv[0] not in COMMANDS_PRESENT and argv[0] not in ("-h", "--help", "--version")):
+        return ["chat", *argv]
+    return argv
+
+
+COMMANDS_PRESENT: list[str] = []
 for _name in COMMANDS:
     try:
         _module = importlib.import_module(f"mlxinfer.cli.{_name}")
@@ -55,6 +59,7 @@ for _name in COMMANDS:
             raise
         continue
     _module.register(app)
+    COMMANDS_PRESENT.append(_name)
 
 
 def debug_enabled() -> bool:
@@ -65,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the app; user errors print one line and exit 2, no traceback unless MLXINFER_DEBUG=1."""
     from ..errors import MlxinferError
 
+    argv = _with_default_command(list(sys.argv[1:] if argv is None else argv))
     try:
         rv = app(args=argv, standalone_mode=False)
         if isinstance(rv, int) and rv != 0:  # click turns Ctrl-C into Exit(130) and returns it here

@@ -15,9 +15,12 @@ def format_bytes(n: float) -> str:
 
 def stats_text(stats, context: tuple[int, int] | None = None) -> str:
     """'42 tokens 31.2 tok/s · prompt 12 tokens 150.3 tok/s · TTFT 0.08 s · context 120/8192 · peak 210 MB'."""
+    def n(count: int, word: str) -> str:
+        return f"{count} {word}" + ("" if count == 1 else "s")
+
     parts = [
-        f"{stats.generation_tokens} tokens {stats.generation_tps:.1f} tok/s",
-        f"prompt {stats.prompt_tokens} tokens {stats.prompt_tps:.1f} tok/s",
+        f"{n(stats.generation_tokens, 'token')} {stats.generation_tps:.1f} tok/s",
+        f"prompt {n(stats.prompt_tokens, 'token')} {stats.prompt_tps:.1f} tok/s",
         f"TTFT {stats.ttft:.2f} s",
     ]
     if context:

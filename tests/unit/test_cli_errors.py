@@ -110,3 +110,11 @@ def test_bad_user_registry(tmp_path):
     bad = tmp_path / "models.toml"
     bad.write_text("[models.x\n")
     assert_one_line_error(run("models", env={"MLXINFER_MODELS": str(bad)}), str(bad))
+
+
+def test_no_command_means_chat():
+    """`mlxinfer [chat args]` runs chat: piped stdin gives plain mode, replies only on stdout."""
+    proc = subprocess.run([*MLXINFER, "--temp", "0", "-n", "20"], input="What is the capital of France?\n",
+                          capture_output=True, text=True, timeout=180, env=os.environ)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
