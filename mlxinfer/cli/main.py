@@ -19,7 +19,7 @@ COMMANDS = ("chat", "generate", "bench", "convert", "models")
 app = typer.Typer(
     name="mlxinfer",
     help="Local LLM chat, benchmark and conversion on MLX (Apple Silicon; CPU elsewhere).\n\n"
-    "Without a command, `mlxinfer [MODEL] [chat options]` starts a chat (default model: the bundled smollm2).",
+    "Without a command it starts a chat: `mlxinfer qwen3-0.6b --temp 0` is `mlxinfer chat qwen3-0.6b --temp 0`.",
     no_args_is_help=False,
     invoke_without_command=True,
     add_completion=False,
