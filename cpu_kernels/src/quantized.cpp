@@ -82,6 +82,8 @@ const float* x_as_float(const mx::array& x, std::vector<float>& buf) {
   return buf.data();
 }
 
+constexpr int64_t kSerialWeights = 128 * 1024;
+
 // Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
 inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 
@@ -143,6 +145,8 @@ void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_siz
     // ~4 tasks per thread balance the load; rows per task stay a multiple of 8.
     int rows = (nw * N + 4 * T - 1) / (4 * T);
     rows = std::max(16, (rows + 7) / 8 * 8);
+    // A tiny matvec (e.g. a 192x576 k/v projection, ~10 us) costs less than waking a second thread.
+    if ((int64_t)nw * N * K < kSerialWeights) rows = N;
     const int per_w = (N + rows - 1) / rows;
     pool.run(nw * per_w, [&](int t, int) {
       const int i = t / per_w, r = t % per_w;
