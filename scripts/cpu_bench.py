@@ -94,6 +94,47 @@ def head_through_native(model, enabled: bool):
         embed.__class__ = nn.QuantizedEmbedding
 
 
+def op_table(threads: int) -> None:
+    """Single ops, MLX built-in vs native: quantized matmul (decode and prefill shapes) and attention."""
+    import mlx.core as mx
+
+    from mlxinfer import native
+
+    ext = native.extension()
+    if ext is None:
+        sys.exit(native.status())
+    ext.set_num_threads(threads)
+
+    def timed(f, n):
+        mx.eval(f())
+        t = time.perf_counter()
+        for _ in range(n):
+            mx.eval(f())
+        return (time.perf_counter() - t) / n
+
+    print(f"| op, shape | MLX built-in | native, {threads} thread(s) |\n|---|---:|---:|")
+    for m, n_out, k in [(1, 4096, 4096), (1, 8192, 2048), (1, 128256, 2048), (4, 4096, 4096), (128, 1536, 576),
+                        (128, 8192, 2048)]:
+        q, s, b = mx.quantize(mx.random.normal((n_out, k)), group_size=64, bits=4)
+        x = mx.random.normal((m, k))
+        mx.eval(q, s, b, x)
+        nbytes = q.nbytes + s.nbytes + b.nbytes
+        reps = max(2, min(100, int(2e9 / (n_out * k * max(m, 8)))))
+        t_nat = timed(lambda: ext.quantized_matmul(x, q, s, b, group_size=64, bits=4), reps)
+        # MLX's built-in takes seconds on the large prefill shapes: one timed call there.
+        t_mlx = timed(lambda: mx.quantized_matmul(x, q, s, b, group_size=64, bits=4), 1 if m * n_out > 10**6 else reps)
+        rate = (lambda t: f"{nbytes / t / 1e9:.1f} GB/s") if m <= 8 else (lambda t: f"{2 * m * n_out * k / t / 1e9:.0f} GFLOP/s")
+        print(f"| 4-bit g64 M={m}, {n_out}x{k} | {t_mlx * 1e3:.2f} ms ({rate(t_mlx)}) | "
+              f"{t_nat * 1e3:.2f} ms ({rate(t_nat)}) |")
+    for L, S, mask in [(1, 512, None), (128, 128, "causal")]:
+        q = mx.random.normal((1, 9, L, 64))
+        k, v = mx.random.normal((1, 3, S, 64)), mx.random.normal((1, 3, S, 64))
+        mx.eval(q, k, v)
+        t_mlx = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask), 20)
+        t_nat = timed(lambda: ext.sdpa(q, k, v, scale=0.125, causal=mask is not None), 20)
+        print(f"| attention 9q/3kv heads D64, L={L} S={S} {mask or ''} | {t_mlx * 1e3:.2f} ms | {t_nat * 1e3:.2f} ms |")
+
+
 def read_bandwidth(threads: int, gib: float = 1.0) -> float:
     """Read bandwidth in GB/s: `threads` NumPy sums over disjoint parts of a buffer larger than the caches."""
     import numpy as np
@@ -147,6 +188,7 @@ def main() -> int:
     ap.add_argument("--head-preview", action="store_true",
                     help="also run 'native+head': the tied-embedding LM head through the native matmul too "
                          "(what kernels/patch.py does not route yet)")
+    ap.add_argument("--ops", action="store_true", help="single-op table (matmul, attention) instead of models")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -158,6 +200,9 @@ def main() -> int:
     from mlxinfer.kernels.patch import apply_kernels
 
     mx.set_default_device(mx.cpu)
+    if args.ops:
+        op_table(args.threads)
+        return 0
     print(f"# {native.status()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if args.llama_1b:
         model, per_token = llama_1b_model()
