@@ -70,14 +70,14 @@ def mlx_round(model, prompt, gen):
 
 @contextmanager
 def head_through_native(model, enabled: bool):
-    """Route a tied QuantizedEmbedding's ``as_linear`` (the LM head) through the native provider meanwhile."""
+    """Meanwhile route what ``kernels/patch.py`` does not route (yet) through the native provider: a tied
+    QuantizedEmbedding's ``as_linear`` (the LM head), ``nn.RMSNorm`` and ``nn.RoPE``."""
     import mlx.nn as nn
 
     from mlxinfer import native
 
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     provider = native.provider()
-    if not enabled or provider is None or type(embed) is not nn.QuantizedEmbedding or "lm_head" in model:
+    if not enabled or provider is None:
         yield
         return
 
@@ -87,11 +87,28 @@ def head_through_native(model, enabled: bool):
                                           group_size=self.group_size, bits=self.bits, mode=self.mode)
             return super().as_linear(x) if y is None else y
 
-    embed.__class__ = NativeHeadEmbedding
+    class NativeRMSNorm(nn.RMSNorm):
+        def __call__(self, x):
+            y = provider.rms_norm(x, self["weight"], self.eps)
+            return super().__call__(x) if y is None else y
+
+    class NativeRoPE(nn.RoPE):
+        def __call__(self, x, offset: int = 0):
+            y = provider.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
+                              offset=offset)
+            return super().__call__(x, offset) if y is None else y
+
+    swaps = {nn.QuantizedEmbedding: NativeHeadEmbedding, nn.RMSNorm: NativeRMSNorm, nn.RoPE: NativeRoPE}
+    swapped = []
+    for _, m in model.named_modules():
+        if type(m) in swaps:
+            swapped.append((m, type(m)))
+            m.__class__ = swaps[type(m)]
     try:
         yield
     finally:
-        embed.__class__ = nn.QuantizedEmbedding
+        for m, cls in swapped:
+            m.__class__ = cls
 
 
 def op_table(threads: int) -> None:
@@ -185,9 +202,9 @@ def main() -> int:
                     help="a Python with llama-cpp-python installed (skipped when missing)")
     ap.add_argument("--llama-1b", action="store_true",
                     help="random Llama-3.2-1B-shaped 4-bit model instead (native only: built-ins take minutes)")
-    ap.add_argument("--head-preview", action="store_true",
-                    help="also run 'native+head': the tied-embedding LM head through the native matmul too "
-                         "(what kernels/patch.py does not route yet)")
+    ap.add_argument("--preview", action="store_true",
+                    help="also run 'native+preview': the tied-embedding LM head, RMSNorm and RoPE through the "
+                         "native provider too (what kernels/patch.py does not route yet)")
     ap.add_argument("--ops", action="store_true", help="single-op table (matmul, attention) instead of models")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -217,8 +234,8 @@ def main() -> int:
         if not Path(args.llama_python).exists():
             engines.remove("llama.cpp")
 
-    if args.head_preview:
-        engines.append("native+head")
+    if args.preview:
+        engines.append("native+preview")
     results = {e: [] for e in engines}
     for r in range(args.rounds):
         for engine in engines:
@@ -233,7 +250,7 @@ def main() -> int:
                 report = apply_kernels(model, "builtin" if engine == "builtin" else "custom")
                 if engine != "builtin" and report.name != "cpu-native":
                     sys.exit(f"native kernels unavailable: {report.detail}")
-                with head_through_native(model, engine == "native+head" or args.llama_1b):
+                with head_through_native(model, engine == "native+preview" or args.llama_1b):
                     pre, dec = mlx_round(model, prompt, args.gen_tokens)
             results[engine].append((pre, dec))
             print(f"round {r + 1} {engine:10s} prefill {pre:8.1f} tok/s  decode {dec:7.1f} tok/s", flush=True)
@@ -249,7 +266,7 @@ def main() -> int:
     if per_token:
         bw = read_bandwidth(args.threads)
         bound = bw * 1e9 / per_token
-        dec = summary["native"]["decode_tok_s"]  # the LM head runs natively here (see head_through_native)
+        dec = summary["native"]["decode_tok_s"]  # head, norms, RoPE native here (head_through_native)
         summary["bandwidth"] = {"bytes_per_token": per_token, "read_gb_s": bw, "bound_tok_s": bound,
                                 "native_fraction": dec / bound}
         print(f"bytes/token {per_token / 1e6:.1f} MB, read bandwidth {bw:.1f} GB/s -> bound {bound:.1f} tok/s; "

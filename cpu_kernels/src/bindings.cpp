@@ -23,6 +23,10 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "group_size"_a, "bits"_a, "silu(x @ Wg.T) * (x @ Wu.T) with both weights quantized (one pass over x).");
   m.def("sdpa", &mlxinfer_cpu::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
         "float32 attention, as mx.fast.scaled_dot_product_attention with mask None or 'causal'.");
+  m.def("rms_norm", &mlxinfer_cpu::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
+        "float32 mx.fast.rms_norm.");
+  m.def("rope", &mlxinfer_cpu::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+        "offset"_a, "float32 mx.fast.rope with an integer offset.");
   m.def("set_num_threads", [](int n) { mlxinfer_cpu::SpinPool::get().set_size(n); }, "n"_a);
   m.def("num_threads", [] { return mlxinfer_cpu::SpinPool::get().size(); });
   m.def("isa", [] { return std::string(mlxinfer_cpu::select_kernels().isa); });

@@ -20,4 +20,10 @@ mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, c
 // causal one (aligned to the end of the keys). Runs on the CPU stream.
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal);
 
+// mx.fast.rms_norm(x, weight, eps) for float32.
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
+
+// mx.fast.rope(x, dims, traditional=, base=, scale=, offset=int) for float32 x (..., L, D).
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset);
+
 }  // namespace mlxinfer_cpu

@@ -54,3 +54,19 @@ def test_provider_declines_what_it_does_not_cover(native_ext):
     assert p.quantized_matmul(x, w, s, b, group_size=32, bits=4, mode="mxfp4") is None
     w3, s3, b3 = mx.quantize(mx.zeros((32, 64)), group_size=32, bits=3)
     assert p.quantized_matmul(x, w3, s3, b3, group_size=32, bits=3) is None
+
+
+def test_rms_norm_and_rope_match_mlx(native_ext):
+    from mlxinfer import native
+
+    p = native.provider()
+    x, w = mx.random.normal((2, 3, 576)), mx.random.normal((576,))
+    assert mx.allclose(p.rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5), atol=1e-5)
+    for traditional in (True, False):
+        for dims, L, offset in [(64, 1, 0), (64, 1, 137), (32, 7, 5), (64, 40, 0)]:
+            x = mx.random.normal((1, 9, L, 64))
+            ref = mx.fast.rope(x, dims, traditional=traditional, base=10000.0, scale=0.5, offset=offset)
+            out = p.rope(x, dims, traditional=traditional, base=10000.0, scale=0.5, offset=offset)
+            assert mx.allclose(out, ref, atol=2e-5), (traditional, dims, L, offset)
+    assert p.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=mx.array(3)) is None  # array offset
+    assert p.rms_norm(x.astype(mx.float16), mx.ones((64,), mx.float16), 1e-5) is None
