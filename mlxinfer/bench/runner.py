@@ -81,9 +81,9 @@ def context_length_of(spec, progress=None) -> tuple[Path, int]:
     """The model directory (downloading or importing if needed) and its usable context, without loading weights."""
     import json
 
-    from ..engine.loader import _local_dir, check_model_dir
+    from ..engine.loader import model_dir, check_model_dir
 
-    path = _local_dir(spec, progress)
+    path = model_dir(spec, progress)
     check_model_dir(path)
     return path, _described(spec, path, json.loads((path / "config.json").read_text())).context_length
 

@@ -74,7 +74,7 @@ class LoadedModel:
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
 
-def _local_dir(spec: ModelSpec, progress: Progress | None) -> Path:
+def model_dir(spec: ModelSpec, progress: Progress | None = None) -> Path:
     """Materialise the spec as a local MLX model directory."""
     if spec.kind == "hub":
         from ..sources.hub import download_model
@@ -172,7 +172,7 @@ def load(
         spec = model
     else:
         spec = (registry or Registry.load()).resolve(str(model) if model is not None else None)
-    path = _local_dir(spec, progress)
+    path = model_dir(spec, progress)
     if progress:
         progress("load", 0, 1)
     net, config = load_model_dir(path, lazy=True)

@@ -98,9 +98,11 @@ def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
         return KernelReport("builtin", f"MLX built-in kernels ({why})")
     n_linear = _swap_linears(model, provider)
     n_mlp = _swap_mlps(model, provider)
+    routed = _swap_small_ops(model, provider)
     modules = _swap_attention(model, provider)
+    extra = "".join(f", {n} {what}" for what, n in routed.items() if n)
     detail = (
-        f"{provider.name} on {where}: {n_linear} quantized linear layers, {n_mlp} fused SwiGLU MLPs, "
+        f"{provider.name} on {where}: {n_linear} quantized linear layers, {n_mlp} fused SwiGLU MLPs{extra}, "
         f"attention in {', '.join(modules) or 'no modules'}"
     )
     return KernelReport(provider.name, detail)
@@ -114,6 +116,9 @@ def restore_builtin(model: nn.Module) -> None:
             m.__dict__.pop("_kernel_provider", None)
         elif getattr(type(m), "_fused_base", None) is not None:
             m.__class__ = type(m)._fused_base
+            m.__dict__.pop("_kernel_provider", None)
+        elif type(m) in _ROUTED_BASES:
+            m.__class__ = _ROUTED_BASES[type(m)]
             m.__dict__.pop("_kernel_provider", None)
     for modname in _model_module_names(model):
         if modname in _ORIGINAL_SDPA:
@@ -197,6 +202,58 @@ def _swap_mlps(model: nn.Module, provider: KernelProvider) -> int:
             m._kernel_provider = provider
             count += 1
     return count
+
+
+# Small per-token ops that are a large share of decode time on the CPU backend, where MLX dispatch per op is
+# costly: the tied LM head (QuantizedEmbedding.as_linear), RMSNorm and RoPE. Each asks the provider's optional
+# method and falls back to MLX when it is absent or returns None.
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    _kernel_provider: KernelProvider
+
+    def as_linear(self, x):
+        y = self._kernel_provider.quantized_matmul(
+            x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size, bits=self.bits,
+            mode=self.mode,
+        )
+        return super().as_linear(x) if y is None else y
+
+
+class KernelRMSNorm(nn.RMSNorm):
+    _kernel_provider: KernelProvider
+
+    def __call__(self, x):
+        y = self._kernel_provider.rms_norm(x, self["weight"], self.eps)
+        return super().__call__(x) if y is None else y
+
+
+class KernelRoPE(nn.RoPE):
+    _kernel_provider: KernelProvider
+
+    def __call__(self, x, offset: int = 0):
+        y = self._kernel_provider.rope(
+            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset
+        )
+        return super().__call__(x, offset) if y is None else y
+
+
+_ROUTED_BASES = {KernelQuantizedEmbedding: nn.QuantizedEmbedding, KernelRMSNorm: nn.RMSNorm, KernelRoPE: nn.RoPE}
+# (subclass, provider method it needs, label for the report)
+_SMALL_OPS = ((KernelQuantizedEmbedding, "quantized_matmul", "LM-head/embedding"),
+              (KernelRMSNorm, "rms_norm", "RMSNorms"), (KernelRoPE, "rope", "RoPEs"))
+
+
+def _swap_small_ops(model: nn.Module, provider: KernelProvider) -> dict:
+    counts = {}
+    for cls, method, label in _SMALL_OPS:
+        base, counts[label] = _ROUTED_BASES[cls], 0
+        if getattr(provider, method, None) is None:
+            continue
+        for _, m in model.named_modules():
+            if type(m) is base or type(m) is cls:  # exact classes only: subclasses may have their own maths
+                m.__class__ = cls
+                m._kernel_provider = provider
+                counts[label] += 1
+    return counts
 
 
 def _model_module_names(model: nn.Module) -> list:

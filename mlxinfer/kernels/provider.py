@@ -5,8 +5,8 @@ A provider offers faster versions of the two operations that dominate decoding. 
 provider only needs to cover the cases it is good at.
 
 Required methods: ``quantized_matmul`` and ``sdpa``. Optional methods (looked up with ``getattr``, so CPU
-providers may leave them out): ``quantized_sdpa`` (attention over mlx-lm's ``QuantizedKVCache``) and
-``swiglu`` (the fused ``silu(x·Wg) * (x·Wu)`` decode step).
+providers may leave them out): ``quantized_sdpa`` (attention over mlx-lm's ``QuantizedKVCache``),
+``swiglu`` (the fused ``silu(x·Wg) * (x·Wu)`` decode step), ``rms_norm`` and ``rope``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,17 @@ class OptionalKernels(Protocol):
     ) -> Optional[mx.array]:
         """``silu(x @ Wg.T) * (x @ Wu.T)`` with both weights quantized (N, K): x (..., K) -> (..., N).
         Return None when not supported."""
+        ...
+
+    def rms_norm(self, x: mx.array, weight: mx.array, eps: float) -> Optional[mx.array]:
+        """Same as ``mx.fast.rms_norm(x, weight, eps)``. Return None when not supported."""
+        ...
+
+    def rope(
+        self, x: mx.array, dims: int, *, traditional: bool, base: Optional[float], scale: float, offset: int,
+    ) -> Optional[mx.array]:
+        """Same as ``mx.fast.rope(x, dims, traditional=..., base=..., scale=..., offset=...)`` for x
+        (..., L, D). Return None when not supported."""
         ...
 
 

@@ -79,6 +79,6 @@ class Pty:
             self.child.terminate(force=True)
 
 
-STATS = (r"(?P<gen>\d+) tokens [\d.]+ tok/s · prompt (?P<prompt>\d+) tokens [\d.]+ tok/s · TTFT [\d.]+ s · "
+STATS = (r"(?P<gen>\d+) tokens? [\d.]+ tok/s · prompt (?P<prompt>\d+) tokens? [\d.]+ tok/s · TTFT [\d.]+ s · "
          r"context (?P<used>\d+)/(?P<limit>\d+)")
 READY = r"Send a message"

@@ -212,3 +212,48 @@ def test_other_architectures_route_too(cpu_provider):
         apply_kernels(model, "builtin")
         qwen2.scaled_dot_product_attention = original
     assert qwen2.scaled_dot_product_attention is original
+
+
+class SmallOpsProvider(DecliningProvider):
+    """Declines the big ops, answers RMSNorm/RoPE/LM head with a visible change."""
+
+    name = "fake-small-ops"
+
+    def __init__(self):
+        self.calls = {"qmm": 0, "rms_norm": 0, "rope": 0}
+
+    def quantized_matmul(self, x, w, scales, biases, *, group_size, bits, mode="affine"):
+        self.calls["qmm"] += 1
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits) + 0.5
+
+    def rms_norm(self, x, weight, eps):
+        self.calls["rms_norm"] += 1
+        return mx.fast.rms_norm(x, weight, eps) * 1.1
+
+    def rope(self, x, dims, *, traditional, base, scale, offset):
+        self.calls["rope"] += 1
+        return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+
+
+def test_lm_head_norms_and_rope_route_and_restore(cpu_provider):
+    """The tied LM head (QuantizedEmbedding.as_linear), RMSNorm and RoPE ask the provider's optional methods."""
+    mx.random.seed(3)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300, tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    tokens = [1, 2, 3, 4]
+    before = logits(model, tokens)
+    fake = SmallOpsProvider()
+    cpu_provider["provider"] = fake
+    report = apply_kernels(model, "auto")
+    assert "1 LM-head/embedding" in report.detail and "5 RMSNorms" in report.detail and "2 RoPEs" in report.detail
+    after = logits(model, tokens)
+    assert fake.calls["rms_norm"] == 5 and fake.calls["rope"] == 4 and fake.calls["qmm"] >= 1
+    assert not mx.allclose(before, after, atol=1e-3).item()
+    apply_kernels(model, "builtin")
+    assert type(model.model.norm) is nn.RMSNorm and type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    assert type(model.model.layers[0].self_attn.rope) is nn.RoPE
+    assert mx.array_equal(logits(model, tokens), before).item()
