@@ -56,6 +56,7 @@ def bench_cmd(
     from ..bench.runner import BenchOptions, run_bench
     from ..bench.workload import parse_int_list
     from ..registry import Registry
+    from ..ui.bench_view import BenchProgress, print_bench
 
     if microbench:
         return _microbench(models or [], n_depth, batch, repetitions, output, bandwidth,
@@ -85,7 +86,7 @@ def bench_cmd(
             sys.stdout.flush()
 
     try:
-        with _progress() as (progress, load):
+        with BenchProgress() as (progress, load):
             records = run_bench(specs, opts, load=load, progress=progress, on_record=on_record)
     except KeyboardInterrupt:
         if out_path is not None and finished:  # keep the tests that did finish
@@ -102,7 +103,7 @@ def bench_cmd(
         if not sys.stdout.isatty():
             print(f"saved {len(records)} records to {out_path}", file=sys.stderr)
     if sys.stdout.isatty():
-        _print_rich(records, baseline, saved=out_path)
+        print_bench(records, baseline, saved=out_path)
     elif out_path is None:
         sys.stdout.write(report.to_markdown(records, baseline))
 
@@ -112,6 +113,7 @@ def _microbench(names, n_depth, batch, repetitions, output, bandwidth, unused: d
     from ..bench import report
     from ..bench.workload import parse_int_list
     from ..errors import InvalidParameter
+    from ..ui.bench_view import BenchProgress
 
     given = [flag for flag, value in unused.items() if value is not None]
     if given:
@@ -122,7 +124,7 @@ def _microbench(names, n_depth, batch, repetitions, output, bandwidth, unused: d
     contexts = [d for d in parse_int_list(n_depth, "context", minimum=0) if d > 0] or [512, 4096, 16384]
     rows = parse_int_list(batch, "rows") if batch is not None else [1, 4]
     fmt, out_path = report.output_target(output)
-    with _progress() as (progress, _):
+    with BenchProgress() as (progress, _):
         records = kb.run_kernel_bench(names, rows=rows, contexts=contexts, repeat=repetitions,
                                       bandwidth_gbps=bandwidth, progress=progress)
     writers = {"md": kb.to_markdown, "csv": report.to_csv, "json": report.to_json, "jsonl": report.to_jsonl}
@@ -132,88 +134,6 @@ def _microbench(names, n_depth, batch, repetitions, output, bandwidth, unused: d
         print(f"saved {len(records)} records to {out_path}", file=sys.stderr)
     else:
         sys.stdout.write(text)
-
-
-class _progress:
-    """A Rich progress bar on stderr (only on a terminal) driving both model loading and the benchmark."""
-
-    def __enter__(self):
-        from ..engine.loader import load
-        from ..ui.progress import stderr_console
-
-        console = stderr_console()
-        self.bar = None
-        if console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
-
-            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                console=console, transient=True)
-            self.bar.start()
-        tasks: dict[str, int] = {}
-
-        def progress(what: str, done: int, total: int) -> None:
-            if self.bar is not None:
-                if "bench" not in tasks:
-                    tasks["bench"] = self.bar.add_task(what, total=total)
-                self.bar.update(tasks["bench"], description=what, completed=done, total=total)
-
-        def load_progress(stage: str, done: int, total: int) -> None:
-            if self.bar is not None:
-                if stage not in tasks:
-                    tasks[stage] = self.bar.add_task(stage.capitalize(), total=max(total, 1))
-                self.bar.update(tasks[stage], completed=done, total=max(total, 1))
-                if done >= total:
-                    self.bar.remove_task(tasks.pop(stage))
-
-        def load_model(spec, kernels):
-            try:
-                return load(spec, kernels=kernels, progress=load_progress)
-            finally:
-                for stage in [k for k in tasks if k != "bench"]:
-                    if self.bar is not None:
-                        self.bar.remove_task(tasks.pop(stage))
-
-        return progress, load_model
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
-        return False
-
-
-def _print_rich(records: list[dict], baseline, saved: Path | None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from ..bench import report
-
-    console = Console(highlight=False)
-
-    def table(title, columns, rows, numeric_from: int):
-        t = Table(title=title, title_justify="left", header_style="bold")
-        for i, c in enumerate(columns):
-            t.add_column(c, justify="right" if i >= numeric_from else "left")
-        for row in rows:
-            t.add_row(*row)
-        console.print(t)
-
-    for line in report.provenance_lines(records):
-        console.print(line, style="dim", markup=False)
-    columns, rows = report.summary_table(records, compact=True)
-    table(None, columns, rows, columns.index("test") + 1)
-    peer = report.peer_rows(records)
-    if peer:
-        table("mlxinfer vs mlx-lm (ratio = mlxinfer / mlx-lm)", report.PEER_COLUMNS, peer, 3)
-    if baseline is not None:
-        rows = report.compare_rows(records, baseline)
-        if rows:
-            table("against the baseline (ratio = this run / baseline)", report.COMPARE_COLUMNS, rows, 4)
-        else:
-            console.print("no test in the baseline matches this run's tests", style="yellow")
-    for line in report.depth_chart(records):
-        console.print(line, markup=False)
-    if saved is not None:
-        console.print(f"saved {len(records)} records to {saved}", style="dim", markup=False)
 
 
 def register(app: typer.Typer) -> None:

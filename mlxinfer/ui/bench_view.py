@@ -1,0 +1,87 @@
+"""Rendering for ``mlxinfer bench``: the progress bar while it runs and the Rich tables of the results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class BenchProgress:
+    """A Rich progress bar on stderr (only on a terminal) driving both model loading and the benchmark."""
+
+    def __enter__(self):
+        from ..engine.loader import load
+        from .progress import stderr_console
+
+        console = stderr_console()
+        self.bar = None
+        if console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                console=console, transient=True)
+            self.bar.start()
+        tasks: dict[str, int] = {}
+
+        def progress(what: str, done: int, total: int) -> None:
+            if self.bar is not None:
+                if "bench" not in tasks:
+                    tasks["bench"] = self.bar.add_task(what, total=total)
+                self.bar.update(tasks["bench"], description=what, completed=done, total=total)
+
+        def load_progress(stage: str, done: int, total: int) -> None:
+            if self.bar is not None:
+                if stage not in tasks:
+                    tasks[stage] = self.bar.add_task(stage.capitalize(), total=max(total, 1))
+                self.bar.update(tasks[stage], completed=done, total=max(total, 1))
+                if done >= total:
+                    self.bar.remove_task(tasks.pop(stage))
+
+        def load_model(spec, kernels):
+            try:
+                return load(spec, kernels=kernels, progress=load_progress)
+            finally:
+                for stage in [k for k in tasks if k != "bench"]:
+                    if self.bar is not None:
+                        self.bar.remove_task(tasks.pop(stage))
+
+        return progress, load_model
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False
+
+
+def print_bench(records: list[dict], baseline, saved: Path | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..bench import report
+
+    console = Console(highlight=False)
+
+    def table(title, columns, rows, numeric_from: int):
+        t = Table(title=title, title_justify="left", header_style="bold")
+        for i, c in enumerate(columns):
+            t.add_column(c, justify="right" if i >= numeric_from else "left")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+
+    for line in report.provenance_lines(records):
+        console.print(line, style="dim", markup=False)
+    columns, rows = report.summary_table(records, compact=True)
+    table(None, columns, rows, columns.index("test") + 1)
+    peer = report.peer_rows(records)
+    if peer:
+        table("mlxinfer vs mlx-lm (ratio = mlxinfer / mlx-lm)", report.PEER_COLUMNS, peer, 3)
+    if baseline is not None:
+        rows = report.compare_rows(records, baseline)
+        if rows:
+            table("against the baseline (ratio = this run / baseline)", report.COMPARE_COLUMNS, rows, 4)
+        else:
+            console.print("no test in the baseline matches this run's tests", style="yellow")
+    for line in report.depth_chart(records):
+        console.print(line, markup=False)
+    if saved is not None:
+        console.print(f"saved {len(records)} records to {saved}", style="dim", markup=False)
