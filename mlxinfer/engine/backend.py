@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import platform
-from functools import lru_cache
 
 
-@lru_cache(maxsize=1)
 def backend() -> str:
-    """'metal', 'cuda' or 'cpu' — the device MLX computes on by default."""
+    """'metal', 'cuda' or 'cpu': where MLX runs ops by default in this process (a GPU build with the default
+    device set to the CPU counts as 'cpu'). The one definition the loader, kernels and bench share."""
     import mlx.core as mx
 
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
+    if mx.default_device().type == mx.DeviceType.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        cuda = getattr(mx, "cuda", None)
+        if cuda is not None and cuda.is_available():
+            return "cuda"
     return "cpu"
 
 

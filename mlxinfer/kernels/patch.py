@@ -26,6 +26,7 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxinfer.engine.backend import backend
 from mlxinfer.errors import InvalidParameter, MlxinferError
 from mlxinfer.kernels.provider import KernelProvider
 
@@ -41,16 +42,6 @@ _ORIGINAL_SDPA: dict = {}
 class KernelReport:
     name: str  # "metal-custom" | "cuda-custom" | "cpu-native" | "builtin"
     detail: str  # one line for the chat header and bench provenance
-
-
-def backend() -> str:
-    """"metal", "cuda" or "cpu": where MLX runs ops by default in this process."""
-    if mx.default_device().type == mx.DeviceType.gpu:
-        if mx.metal.is_available():
-            return "metal"
-        if mx.cuda.is_available():
-            return "cuda"
-    return "cpu"
 
 
 def resolve_mode(mode: str = "auto") -> str:
