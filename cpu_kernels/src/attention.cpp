@@ -7,13 +7,12 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "dispatch.h"
 #include "ops.h"
 #include "qmm_kernels.h"
 #include "threadpool.h"
 
 namespace mlxinfer_cpu {
-
-mx::array row_contiguous_copy(const mx::array& a);  // quantized.cpp
 
 namespace {
 

@@ -8,36 +8,19 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "dispatch.h"
 #include "ops.h"
 
 namespace mlxinfer_cpu {
 
-mx::array row_contiguous_copy(const mx::array& a);  // quantized.cpp
-
 namespace {
-
-// Shared plumbing: allocate the output, then run fn on row-contiguous inputs in the encoder's task.
-template <typename Fn>
-void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Fn fn) {
-  auto& enc = mx::cpu::get_command_encoder(stream);
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  std::vector<mx::array> in;
-  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-  enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), fn]() mutable {
-    for (auto& a : in)
-      if (!a.flags().row_contiguous) a = row_contiguous_copy(a);
-    fn(in, out);
-  });
-}
 
 class NativeRmsNorm : public mx::UnaryPrimitive {
  public:
   NativeRmsNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const float eps = eps_;
-    dispatch(stream(), inputs, out, [eps](std::vector<mx::array>& in, mx::array& o) {
+    dispatch_contiguous(stream(), inputs, out, [eps](std::vector<mx::array>& in, mx::array& o) {
       const int D = in[0].shape(-1);
       const size_t rows = in[0].size() / D;
       const float* x = in[0].data<float>();
@@ -74,7 +57,7 @@ class NativeRope : public mx::UnaryPrimitive {
     const int dims = dims_, offset = offset_;
     const bool trad = traditional_;
     const float base = base_, scale = scale_;
-    dispatch(stream(), inputs, out, [=](std::vector<mx::array>& in, mx::array& o) {
+    dispatch_contiguous(stream(), inputs, out, [=](std::vector<mx::array>& in, mx::array& o) {
       // x (..., L, D): position of row l is offset + l.
       const int D = in[0].shape(-1), L = in[0].shape(-2);
       const size_t mats = in[0].size() / ((size_t)L * D);

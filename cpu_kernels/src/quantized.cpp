@@ -1,4 +1,5 @@
 // The QuantizedMatmul primitive: graph-building op + eval_cpu that runs the ISA kernels on the pool.
+#include "dispatch.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -238,24 +239,6 @@ class NativeSwiglu : public mx::UnaryPrimitive {
   int group_size_;
   int bits_;
 };
-
-// Shared by both primitives: allocate, then run `fn` on contiguous inputs inside the encoder's task.
-template <typename Fn>
-void dispatch_contiguous(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Fn fn) {
-  auto& enc = mx::cpu::get_command_encoder(stream);
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-  std::vector<mx::array> in;
-  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-  enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), fn]() mutable {
-    // Inputs are rarely strided (a transposed or sliced x); copy those inside the task, where
-    // their data is ready.
-    for (auto& a : in)
-      if (!a.flags().row_contiguous) a = row_contiguous_copy(a);
-    fn(in, out);
-  });
-}
 
 void NativeSwiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int gs = group_size_, bits = bits_;
