@@ -73,8 +73,10 @@ const KernelSet& select_kernels() {
     __builtin_cpu_init();
     const bool has512 = __builtin_cpu_supports("avx512f");
     const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool vnni = has512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
     if (want == "generic") return generic_kernels();
     if (want == "avx2" && has2) return avx2_kernels();
+    if ((want.empty() || want == "avx512vnni") && vnni) return avx512vnni_kernels();
     if ((want.empty() || want == "avx512") && has512) return avx512_kernels();
     if (has2) return avx2_kernels();
 #endif
@@ -91,7 +93,7 @@ SdpaFn select_sdpa() {
   static const SdpaFn chosen = [] {
     const std::string isa = select_kernels().isa;
 #if defined(__x86_64__) || defined(_M_X64)
-    if (isa == "avx512") return avx512_sdpa();
+    if (isa == "avx512" || isa == "avx512vnni") return avx512_sdpa();
     if (isa == "avx2") return avx2_sdpa();
 #endif
     return generic_sdpa();

@@ -26,6 +26,14 @@ struct QmmArgs {
   const float* x;
   const float* xsum;  // (M, K/group): sum of x over each group, for the bias term
   float* out;         // (M, N) float32
+  // Decode path of KernelSet::int16_x kernels instead of x/xsum: x rounded to int16 per weight group,
+  // (M, kpad) with kpad = K rounded up to 64 and for 4-bit each 64-block ordered [x0, x2, ..., x62, x1, ..., x63];
+  // xd (M, gpad): the group scales d (x ~= d * xq); xqsum (M, gpad): sum of xq over each group (an integer);
+  // xsum then has stride gpad. Padding is zero.
+  const int16_t* xq;
+  const float* xd;
+  const float* xqsum;
+  int kpad, gpad;
 };
 
 // Decode (M <= 8): rows [n0, n1) of the output for all M.
@@ -43,12 +51,14 @@ struct KernelSet {
   int pack_m;
   QmvFn qmv;
   QmmFn qmm;
+  bool int16_x = false;  // qmv reads QmmArgs::xq/xd (int16 x) instead of the float32 x
 };
 
 KernelSet generic_kernels();
 #if defined(__x86_64__) || defined(_M_X64)
 KernelSet avx2_kernels();
 KernelSet avx512_kernels();
+KernelSet avx512vnni_kernels();
 #endif
 
 // Best set for this CPU (runtime dispatch), or the one forced by MLXINFER_ISA=generic|avx2|avx512.
