@@ -2,6 +2,7 @@
 // (shared NB_DOMAIN mlx) and loads libmlx.so.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 #include "ops.h"
@@ -27,6 +28,9 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "float32 mx.fast.rms_norm.");
   m.def("rope", &mlxinfer_cpu::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,
         "offset"_a, "float32 mx.fast.rope with an integer offset.");
+  m.def("qkv_rope", &mlxinfer_cpu::qkv_rope, "x"_a, "wq"_a, "wk"_a, "wv"_a, nb::kw_only(), "group_size"_a, "bits"_a,
+        "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
+        "q, k, v projections + head split + RoPE in one op: returns [q (B, Hq, L, D), k, v (B, Hkv, L, D)].");
   m.def("set_num_threads", [](int n) { mlxinfer_cpu::SpinPool::get().set_size(n); }, "n"_a);
   m.def("num_threads", [] { return mlxinfer_cpu::SpinPool::get().size(); });
   m.def("isa", [] { return std::string(mlxinfer_cpu::select_kernels().isa); });

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <vector>
+
 #include "mlx/array.h"
 #include "mlx/utils.h"
 
@@ -25,5 +27,13 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 
 // mx.fast.rope(x, dims, traditional=, base=, scale=, offset=int) for float32 x (..., L, D).
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset);
+
+// An attention block's input side: x (B, L, hidden) float32 times the quantized q/k/v projections (each
+// (w, scales, biases), float32 scales), split into heads and RoPE'd (first rope_dims of each head; 0 = none) at
+// positions offset + l. Returns q (B, n_heads, L, head_dim), k and v (B, n_kv_heads, L, head_dim).
+std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>& wq, const std::vector<mx::array>& wk,
+                                const std::vector<mx::array>& wv, int group_size, int bits, int n_heads,
+                                int n_kv_heads, int head_dim, int rope_dims, bool traditional, float base, float scale,
+                                int offset);
 
 }  // namespace mlxinfer_cpu

@@ -12,6 +12,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "qmm_float.h"
 #include "qmm_kernels.h"
 #include "threadpool.h"
 
@@ -137,97 +138,6 @@ void prep_int16_x(const float* xf, int M, int K, int group_size, int bits, std::
   }
 }
 
-struct QWeight {
-  const mx::array* w;
-  const mx::array* scales;
-  const mx::array* biases;
-  float* out;  // (M, N) float32
-};
-
-// out_i = x @ dequant(w_i).T for one or more weights sharing N, K, group_size and bits; x is prepared
-// once and the tasks of all weights go to the pool together.
-void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {
-  const KernelSet& ks = select_kernels();
-  SpinPool& pool = SpinPool::get();
-  const int K = x.shape(-1);
-  const int N = ws[0].w->shape(0);
-  const int M = static_cast<int>(x.size() / K);
-  const int ng = K / group_size;
-  const int nw = static_cast<int>(ws.size());
-
-  thread_local std::vector<float> xbuf, xprep, xsum, scratch;
-  const float* xf = x_as_float(x, xbuf);
-  std::vector<QmmArgs> args(nw);
-  for (int i = 0; i < nw; ++i) {
-    QmmArgs& a = args[i];
-    a.M = M;
-    a.K = K;
-    a.N = N;
-    a.group_size = group_size;
-    a.bits = bits;
-    a.w = reinterpret_cast<const uint8_t*>(ws[i].w->data<uint32_t>());
-    a.scales = ws[i].scales->data<void>();
-    a.biases = ws[i].biases->data<void>();
-    const mx::Dtype st = ws[i].scales->dtype();
-    a.stype = st == mx::float32 ? ScaleType::f32 : st == mx::float16 ? ScaleType::f16 : ScaleType::bf16;
-    a.out = ws[i].out;
-  }
-  const int T = pool.size();
-
-  if (M <= 8 && ks.int16_x) {
-    prep_int16_x(xf, M, K, group_size, bits, args);
-  } else if (M <= 8) {
-    xprep.resize((size_t)M * K);
-    xsum.resize((size_t)M * ng);
-    for (int m = 0; m < M; ++m) {
-      const float* xr = xf + (size_t)m * K;
-      float* dr = xprep.data() + (size_t)m * K;
-      for (int c = 0; c < K; c += 32)
-        for (int p = 0; p < 32; ++p) dr[c + p] = xr[c + (bits == 4 ? perm4(p) : p)];
-      for (int g = 0; g < ng; ++g) {
-        float s = 0.f;
-        for (int k = 0; k < group_size; ++k) s += xr[g * group_size + k];
-        xsum[(size_t)m * ng + g] = s;
-      }
-    }
-    for (auto& a : args) {
-      a.x = xprep.data();
-      a.xsum = xsum.data();
-    }
-  }
-  if (M <= 8) {
-    // ~4 tasks per thread balance the load; rows per task stay a multiple of 8.
-    int rows = (nw * N + 4 * T - 1) / (4 * T);
-    rows = std::max(16, (rows + 7) / 8 * 8);
-    // A tiny matvec (e.g. a 192x576 k/v projection, ~10 us) costs less than waking a second thread.
-    if ((int64_t)nw * N * K < kSerialWeights) rows = N;
-    const int per_w = (N + rows - 1) / rows;
-    pool.run(nw * per_w, [&](int t, int) {
-      const int i = t / per_w, r = t % per_w;
-      ks.qmv(args[i], r * rows, std::min(N, (r + 1) * rows));
-    });
-  } else {
-    const int pm = ks.pack_m;
-    const int mblocks = (M + pm - 1) / pm;
-    xprep.assign((size_t)mblocks * K * pm, 0.f);
-    for (int m = 0; m < M; ++m) {
-      const float* xr = xf + (size_t)m * K;
-      float* dst = xprep.data() + (size_t)(m / pm) * K * pm + (m % pm);
-      for (int c = 0; c < K; c += 32)
-        for (int p = 0; p < 32; ++p) dst[(size_t)(c + p) * pm] = xr[c + (bits == 4 ? perm4(p) : p)];
-    }
-    for (const auto& w : ws) std::fill(w.out, w.out + (size_t)M * N, 0.f);
-    scratch.resize((size_t)T * kPackN * kKc);
-    float* scr = scratch.data();
-    const float* xp = xprep.data();
-    const int per_w = (N + kPackN - 1) / kPackN;
-    pool.run(nw * per_w, [&](int t, int tid) {
-      const int i = t / per_w, r = t % per_w;
-      ks.qmm(args[i], xp, r * kPackN, std::min(N, (r + 1) * kPackN), scr + (size_t)tid * kPackN * kKc);
-    });
-  }
-}
-
 // Store float32 results into out (float32: already there; float16/bfloat16: rounded once).
 template <typename F>
 void store_out(mx::array& out, size_t count, F value) {
@@ -311,9 +221,101 @@ bool is_float(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t ==
 }  // namespace
 
 namespace {
+struct RowTask {
+  int w, n0, n1;
+};
 
-// Checks one (w, scales, biases) against x; returns N.
-int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+// Output rows of every weight in chunks of at most `rows`: the pool's tasks.
+std::vector<RowTask> split_rows(const std::vector<QmmArgs>& args, int rows) {
+  std::vector<RowTask> tasks;
+  for (int i = 0; i < static_cast<int>(args.size()); ++i)
+    for (int n0 = 0; n0 < args[i].N; n0 += rows) tasks.push_back({i, n0, std::min(args[i].N, n0 + rows)});
+  return tasks;
+}
+}  // namespace
+
+void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {
+  const KernelSet& ks = select_kernels();
+  SpinPool& pool = SpinPool::get();
+  const int K = x.shape(-1);
+  const int M = static_cast<int>(x.size() / K);
+  const int ng = K / group_size;
+  const int nw = static_cast<int>(ws.size());
+
+  thread_local std::vector<float> xbuf, xprep, xsum, scratch;
+  const float* xf = x_as_float(x, xbuf);
+  std::vector<QmmArgs> args(nw);
+  for (int i = 0; i < nw; ++i) {
+    QmmArgs& a = args[i];
+    a.M = M;
+    a.K = K;
+    a.N = ws[i].w->shape(0);
+    a.group_size = group_size;
+    a.bits = bits;
+    a.w = reinterpret_cast<const uint8_t*>(ws[i].w->data<uint32_t>());
+    a.scales = ws[i].scales->data<void>();
+    a.biases = ws[i].biases->data<void>();
+    const mx::Dtype st = ws[i].scales->dtype();
+    a.stype = st == mx::float32 ? ScaleType::f32 : st == mx::float16 ? ScaleType::f16 : ScaleType::bf16;
+    a.out = ws[i].out;
+  }
+  const int T = pool.size();
+
+  if (M <= 8 && ks.int16_x) {
+    prep_int16_x(xf, M, K, group_size, bits, args);
+  } else if (M <= 8) {
+    xprep.resize((size_t)M * K);
+    xsum.resize((size_t)M * ng);
+    for (int m = 0; m < M; ++m) {
+      const float* xr = xf + (size_t)m * K;
+      float* dr = xprep.data() + (size_t)m * K;
+      for (int c = 0; c < K; c += 32)
+        for (int p = 0; p < 32; ++p) dr[c + p] = xr[c + (bits == 4 ? perm4(p) : p)];
+      for (int g = 0; g < ng; ++g) {
+        float s = 0.f;
+        for (int k = 0; k < group_size; ++k) s += xr[g * group_size + k];
+        xsum[(size_t)m * ng + g] = s;
+      }
+    }
+    for (auto& a : args) {
+      a.x = xprep.data();
+      a.xsum = xsum.data();
+    }
+  }
+  if (M <= 8) {
+    // ~4 tasks per thread balance the load; rows per task stay a multiple of 8.
+    int64_t total = 0;
+    for (const auto& a : args) total += a.N;
+    int rows = static_cast<int>((total + 4 * T - 1) / (4 * T));
+    rows = std::max(16, (rows + 7) / 8 * 8);
+    // A tiny matvec (e.g. a 192x576 k/v projection, ~10 us) costs less than waking a second thread.
+    if (total * K < kSerialWeights) rows = 1 << 30;
+    const std::vector<RowTask> tasks = split_rows(args, rows);
+    pool.run(static_cast<int>(tasks.size()), [&](int t, int) {
+      ks.qmv(args[tasks[t].w], tasks[t].n0, tasks[t].n1);
+    });
+  } else {
+    const int pm = ks.pack_m;
+    const int mblocks = (M + pm - 1) / pm;
+    xprep.assign((size_t)mblocks * K * pm, 0.f);
+    for (int m = 0; m < M; ++m) {
+      const float* xr = xf + (size_t)m * K;
+      float* dst = xprep.data() + (size_t)(m / pm) * K * pm + (m % pm);
+      for (int c = 0; c < K; c += 32)
+        for (int p = 0; p < 32; ++p) dst[(size_t)(c + p) * pm] = xr[c + (bits == 4 ? perm4(p) : p)];
+    }
+    for (const auto& a : args) std::fill(a.out, a.out + (size_t)M * a.N, 0.f);
+    scratch.resize((size_t)T * kPackN * kKc);
+    float* scr = scratch.data();
+    const float* xp = xprep.data();
+    const std::vector<RowTask> tasks = split_rows(args, kPackN);
+    pool.run(static_cast<int>(tasks.size()), [&](int t, int tid) {
+      ks.qmm(args[tasks[t].w], xp, tasks[t].n0, tasks[t].n1, scr + (size_t)tid * kPackN * kKc);
+    });
+  }
+}
+
+int check_quantized_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                  int group_size, int bits, const char* op) {
   auto fail = [op](const std::string& msg) { throw std::invalid_argument(std::string("[mlxinfer_cpu.") + op + "] " + msg); };
   if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
@@ -331,11 +333,10 @@ int check_weight(const mx::array& x, const mx::array& w, const mx::array& scales
   return N;
 }
 
-}  // namespace
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits) {
-  const int N = check_weight(x, w, scales, biases, group_size, bits, "quantized_matmul");
+  const int N = check_quantized_weight(x, w, scales, biases, group_size, bits, "quantized_matmul");
   mx::Shape shape = x.shape();
   shape.back() = N;
   return mx::array(shape, mx::promote_types(x.dtype(), scales.dtype()),
@@ -345,8 +346,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 
 mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, const mx::array& bg,
                  const mx::array& wu, const mx::array& su, const mx::array& bu, int group_size, int bits) {
-  const int N = check_weight(x, wg, sg, bg, group_size, bits, "swiglu");
-  if (check_weight(x, wu, su, bu, group_size, bits, "swiglu") != N || su.dtype() != sg.dtype())
+  const int N = check_quantized_weight(x, wg, sg, bg, group_size, bits, "swiglu");
+  if (check_quantized_weight(x, wu, su, bu, group_size, bits, "swiglu") != N || su.dtype() != sg.dtype())
     throw std::invalid_argument("[mlxinfer_cpu.swiglu] gate and up weights must match");
   mx::Shape shape = x.shape();
   shape.back() = N;

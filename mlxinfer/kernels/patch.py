@@ -8,7 +8,10 @@ same bodies through ``mx.fast.cuda_kernel``, CPU -> ``mlxinfer.native.provider()
 * turns MLPs whose ``__call__`` is exactly mlx-lm's ``down_proj(swiglu(gate_proj(x), up_proj(x)))`` into a subclass
   that asks the provider's optional ``swiglu`` for the fused gate/up step;
 * replaces ``scaled_dot_product_attention`` in the model's mlx-lm module (models do
-  ``from .base import scaled_dot_product_attention``) with a wrapper that asks the provider first.
+  ``from .base import scaled_dot_product_attention``) with a wrapper that asks the provider first;
+* routes the tied LM head, ``nn.RMSNorm`` and ``nn.RoPE`` through the provider's optional methods, and turns
+  attention modules whose ``__call__`` is exactly mlx-lm llama's into a subclass whose q/k/v projections, head
+  split and RoPE are one optional ``qkv_rope`` op (the CPU pays several microseconds per MLX op in decode).
 
 The attention swap is per mlx-lm *module* (e.g. all llama models in the process), not per model instance;
 ``apply_kernels(model, "builtin")`` undoes both swaps.
@@ -90,6 +93,7 @@ def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
     n_linear = _swap_linears(model, provider)
     n_mlp = _swap_mlps(model, provider)
     routed = _swap_small_ops(model, provider)
+    routed["fused q/k/v+RoPE attention inputs"] = _swap_attention_inputs(model, provider)
     modules = _swap_attention(model, provider)
     extra = "".join(f", {n} {what}" for what, n in routed.items() if n)
     detail = (
@@ -144,55 +148,116 @@ def _swap_linears(model: nn.Module, provider: KernelProvider) -> int:
     return count
 
 
-_FUSED_CLASSES: dict = {}
+_FUSED_CLASSES: dict = {}  # (kind, mlx-lm class) -> its Fused subclass
 
 
-def _fused_class(base: type) -> type:
-    """A subclass of an mlx-lm SwiGLU MLP class whose ``__call__`` tries the provider's fused kernel."""
-    if base not in _FUSED_CLASSES:
+def _fused_subclass(kind: str, base: type, make_call: Callable) -> type:
+    """A subclass of an mlx-lm class whose ``__call__`` (``make_call(base)``) tries a provider's fused kernel."""
+    if (kind, base) not in _FUSED_CLASSES:
+        _FUSED_CLASSES[(kind, base)] = type(
+            f"Fused{base.__name__}", (base,), {"__call__": make_call(base), "_fused_base": base}
+        )
+    return _FUSED_CLASSES[(kind, base)]
 
-        def __call__(self, x):
-            g, u = self.gate_proj, self.up_proj
-            h = self._kernel_provider.swiglu(
-                x, (g["weight"], g["scales"], g.get("biases")), (u["weight"], u["scales"], u.get("biases")),
-                group_size=g.group_size, bits=g.bits,
-            )
-            if h is None:
-                return base.__call__(self, x)
-            return self.down_proj(h)
 
-        _FUSED_CLASSES[base] = type(f"Fused{base.__name__}", (base,), {"__call__": __call__, "_fused_base": base})
-    return _FUSED_CLASSES[base]
+def _swap_fused(model: nn.Module, provider: KernelProvider, method: str, kind: str, is_plain: Callable,
+                make_call: Callable) -> int:
+    if getattr(provider, method, None) is None:
+        return 0
+    count = 0
+    for _, m in model.named_modules():
+        if is_plain(m):
+            base = getattr(type(m), "_fused_base", None) or type(m)
+            m.__class__ = _fused_subclass(kind, base, make_call)
+            m._kernel_provider = provider
+            count += 1
+    return count
+
+
+def _unfused_source(m: nn.Module) -> str:
+    cls = getattr(type(m), "_fused_base", None) or type(m)
+    try:
+        return inspect.getsource(cls.__call__)
+    except (OSError, TypeError):
+        return ""
+
+
+def _plain_quantized(layers: list) -> bool:
+    """Bias-free affine QuantizedLinears sharing group size and bits (what the fused kernels take)."""
+    return (
+        all(isinstance(q, nn.QuantizedLinear) and "bias" not in q and q.mode == "affine" for q in layers)
+        and len({(q.group_size, q.bits) for q in layers}) == 1
+    )
+
+
+def _swiglu_call(base: type) -> Callable:
+    def __call__(self, x):
+        g, u = self.gate_proj, self.up_proj
+        h = self._kernel_provider.swiglu(
+            x, (g["weight"], g["scales"], g.get("biases")), (u["weight"], u["scales"], u.get("biases")),
+            group_size=g.group_size, bits=g.bits,
+        )
+        if h is None:
+            return base.__call__(self, x)
+        return self.down_proj(h)
+
+    return __call__
 
 
 def _is_plain_swiglu_mlp(m: nn.Module) -> bool:
-    cls = type(m)
-    if getattr(cls, "_fused_base", None) is not None:
-        cls = cls._fused_base
-    try:
-        source = inspect.getsource(cls.__call__)
-    except (OSError, TypeError):
-        return False
-    layers = [getattr(m, name, None) for name in ("gate_proj", "up_proj")]
-    return (
-        _SWIGLU_CALL in source
-        and all(isinstance(q, nn.QuantizedLinear) and "bias" not in q and q.mode == "affine" for q in layers)
-        and layers[0].group_size == layers[1].group_size
-        and layers[0].bits == layers[1].bits
+    return _SWIGLU_CALL in _unfused_source(m) and _plain_quantized(
+        [getattr(m, name, None) for name in ("gate_proj", "up_proj")]
     )
 
 
 def _swap_mlps(model: nn.Module, provider: KernelProvider) -> int:
-    if getattr(provider, "swiglu", None) is None:
-        return 0
-    count = 0
-    for _, m in model.named_modules():
-        if _is_plain_swiglu_mlp(m):
-            base = getattr(type(m), "_fused_base", None) or type(m)
-            m.__class__ = _fused_class(base)
-            m._kernel_provider = provider
-            count += 1
-    return count
+    return _swap_fused(model, provider, "swiglu", "swiglu", _is_plain_swiglu_mlp, _swiglu_call)
+
+
+# Attention modules whose ``__call__`` is exactly mlx-lm llama's (q/k/v projections, head split, RoPE at
+# cache.offset, cache update, attention, o_proj): on the CPU the input side is 11 small MLX ops per layer and
+# token, so it becomes one ``provider.qkv_rope`` op; the cache update, attention and o_proj stay as they are.
+def _llama_attention_source() -> str:
+    from mlx_lm.models import llama
+
+    return inspect.getsource(llama.Attention.__call__)
+
+
+def _attention_call(base: type) -> Callable:
+    def __call__(self, x, mask=None, cache=None):
+        offset = 0 if cache is None else cache.offset
+        q, k, v, rope = self.q_proj, self.k_proj, self.v_proj, self.rope
+        out = self._kernel_provider.qkv_rope(
+            x, (q["weight"], q["scales"], q["biases"]), (k["weight"], k["scales"], k["biases"]),
+            (v["weight"], v["scales"], v["biases"]), group_size=q.group_size, bits=q.bits, n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads, head_dim=q["weight"].shape[0] // self.n_heads, rope_dims=rope.dims,
+            traditional=rope.traditional, base=rope.base, scale=rope.scale, offset=offset,
+        )
+        if out is None:
+            return base.__call__(self, x, mask, cache)
+        queries, keys, values = out  # (B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim) x 2, RoPE'd
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        # The module's (possibly swapped) attention function, looked up as the original code does.
+        sdpa = sys.modules[base.__module__].scaled_dot_product_attention
+        output = sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        B, L, _ = x.shape
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    return __call__
+
+
+def _is_plain_attention(m: nn.Module) -> bool:
+    return (
+        type(getattr(m, "rope", None)) in (nn.RoPE, KernelRoPE)
+        and all(hasattr(m, a) for a in ("n_heads", "n_kv_heads", "scale"))
+        and _plain_quantized([getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj")])
+        and _unfused_source(m) == _llama_attention_source()
+    )
+
+
+def _swap_attention_inputs(model: nn.Module, provider: KernelProvider) -> int:
+    return _swap_fused(model, provider, "qkv_rope", "attention", _is_plain_attention, _attention_call)
 
 
 # Small per-token ops that are a large share of decode time on the CPU backend, where MLX dispatch per op is

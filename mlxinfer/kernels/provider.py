@@ -6,7 +6,8 @@ provider only needs to cover the cases it is good at.
 
 Required methods: ``quantized_matmul`` and ``sdpa``. Optional methods (looked up with ``getattr``, so CPU
 providers may leave them out): ``quantized_sdpa`` (attention over mlx-lm's ``QuantizedKVCache``),
-``swiglu`` (the fused ``silu(x·Wg) * (x·Wu)`` decode step), ``rms_norm`` and ``rope``.
+``swiglu`` (the fused ``silu(x·Wg) * (x·Wu)`` decode step), ``rms_norm``, ``rope`` and ``qkv_rope`` (an
+attention block's projections, head split and RoPE as one op).
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ class OptionalKernels(Protocol):
     ) -> Optional[mx.array]:
         """Same as ``mx.fast.rope(x, dims, traditional=..., base=..., scale=..., offset=...)`` for x
         (..., L, D). Return None when not supported."""
+        ...
+
+    def qkv_rope(
+        self, x: mx.array, q: QuantTriple, k: QuantTriple, v: QuantTriple, *, group_size: int, bits: int,
+        n_heads: int, n_kv_heads: int, head_dim: int, rope_dims: int, traditional: bool, base: Optional[float],
+        scale: float, offset: int,
+    ) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
+        """mlx-lm's attention input side: ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` (quantized, no bias) for x
+        (B, L, hidden), reshaped to (B, heads, L, head_dim) and ``mx.fast.rope``'d (q and k) at ``offset``.
+        Returns (q, k, v) or None when not supported."""
         ...
 
 

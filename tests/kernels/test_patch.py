@@ -57,6 +57,9 @@ class DecliningProvider:
     def swiglu(self, *a, **k):
         return None
 
+    def qkv_rope(self, *a, **k):
+        return None
+
 
 @pytest.fixture
 def cpu_provider(monkeypatch):
@@ -86,6 +89,8 @@ def test_patch_targets_exist_in_installed_mlx_lm():
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
     assert patch._SWIGLU_CALL in __import__("inspect").getsource(llama.MLP.__call__)
     assert hasattr(cache_lib.QuantizedKVCache(), "bits")
+    # The fused attention input matches llama's Attention by its exact source: a tiny llama must qualify.
+    assert patch._is_plain_attention(tiny_llama().model.layers[0].self_attn)
 
 
 def test_routes_through_provider_and_restores(cpu_provider):
@@ -257,3 +262,51 @@ def test_lm_head_norms_and_rope_route_and_restore(cpu_provider):
     assert type(model.model.norm) is nn.RMSNorm and type(model.model.embed_tokens) is nn.QuantizedEmbedding
     assert type(model.model.layers[0].self_attn.rope) is nn.RoPE
     assert mx.array_equal(logits(model, tokens), before).item()
+
+
+class QkvProvider(DecliningProvider):
+    """Answers qkv_rope with MLX's own composition, v scaled so that routing shows in the logits."""
+
+    name = "fake-qkv"
+
+    def __init__(self):
+        self.offsets = []
+        self.v_scale = 1.25
+
+    def qkv_rope(self, x, q, k, v, *, group_size, bits, n_heads, n_kv_heads, head_dim, rope_dims, traditional,
+                 base, scale, offset):
+        self.offsets.append(offset)
+        B, L, _ = x.shape
+        outs = []
+        for (w, s, b), heads, roped in ((q, n_heads, True), (k, n_kv_heads, True), (v, n_kv_heads, False)):
+            y = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
+            y = y.reshape(B, L, heads, head_dim).transpose(0, 2, 1, 3)
+            if roped:
+                y = mx.fast.rope(y, rope_dims, traditional=traditional, base=base, scale=scale, offset=offset)
+            outs.append(y)
+        return outs[0], outs[1], outs[2] * self.v_scale
+
+
+def test_attention_inputs_fuse_through_qkv_rope_and_restore(cpu_provider):
+    model = tiny_llama(4)
+    tokens = [1, 5, 7, 9]
+    c_ref = model.make_cache()
+    before = [logits(model, tokens, c_ref), logits(model, [3], c_ref)]
+    fake = QkvProvider()
+    cpu_provider["provider"] = fake
+    report = apply_kernels(model, "auto")
+    assert "2 fused q/k/v+RoPE attention inputs" in report.detail
+    attn = model.model.layers[0].self_attn
+    assert type(attn).__name__ == "FusedAttention" and isinstance(attn, llama.Attention)
+    c = model.make_cache()
+    after = [logits(model, tokens, c), logits(model, [3], c)]
+    assert fake.offsets == [0, 0, 4, 4]  # prefill then one decode step, 2 layers each, at the cache offset
+    assert c[0].offset == 5
+    assert not mx.allclose(before[1], after[1], atol=1e-3).item()
+    # With v unscaled the fused path is the original computation.
+    fake.v_scale = 1.0
+    c = model.make_cache()
+    same = [logits(model, tokens, c), logits(model, [3], c)]
+    assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(before, same))
+    apply_kernels(model, "builtin")
+    assert type(model.model.layers[0].self_attn) is llama.Attention

@@ -1,0 +1,58 @@
+"""The fused attention-input op (q/k/v projections, head split, RoPE) against MLX's own composition."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
+
+
+def _reference(x, ws, n_heads, n_kv_heads, head_dim, dims, traditional, base, scale, offset, group_size, bits):
+    B, L, _ = x.shape
+    outs = []
+    for (w, s, b), heads, roped in ((ws[0], n_heads, True), (ws[1], n_kv_heads, True), (ws[2], n_kv_heads, False)):
+        y = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
+        y = y.reshape(B, L, heads, head_dim).transpose(0, 2, 1, 3)
+        if roped and dims:
+            y = mx.fast.rope(y, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+        outs.append(y)
+    return outs
+
+
+# (B, L, hidden, n_heads, n_kv_heads, head_dim, rope dims, traditional, offset, group_size, bits)
+CASES = [
+    (1, 1, 576, 9, 3, 64, 64, False, 37, 32, 4),  # SmolLM2 decode
+    (1, 1, 256, 8, 2, 32, 32, True, 1000, 64, 8),  # traditional RoPE, 8-bit
+    (2, 5, 256, 4, 2, 64, 32, False, 3, 64, 4),  # batch, several positions, partial rotary
+    (1, 20, 128, 4, 4, 32, 32, False, 0, 128, 4),  # prefill-sized (the tiled path), no GQA
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_mlx(native_ext, case):
+    B, L, hidden, hq, hkv, D, dims, trad, offset, gs, bits = case
+    mx.random.seed(sum(case))
+    ws = [mx.quantize(mx.random.normal((n * D, hidden)) * 0.2, group_size=gs, bits=bits) for n in (hq, hkv, hkv)]
+    x = mx.random.normal((B, L, hidden))
+    got = native_ext.qkv_rope(x, list(ws[0]), list(ws[1]), list(ws[2]), group_size=gs, bits=bits, n_heads=hq,
+                              n_kv_heads=hkv, head_dim=D, rope_dims=dims, traditional=trad, base=10000.0, scale=1.0,
+                              offset=offset)
+    ref = _reference(x, ws, hq, hkv, D, dims, trad, 10000.0, 1.0, offset, gs, bits)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.dtype == mx.float32
+        err = mx.abs(g - r).max().item()
+        assert err <= 1e-4 * mx.abs(r).max().item(), err
+
+
+def test_rejects_bad_arguments(native_ext):
+    ws = [mx.quantize(mx.random.normal((n * 32, 64)), group_size=32, bits=4) for n in (2, 1, 1)]
+    x = mx.random.normal((1, 1, 64))
+    kw = dict(group_size=32, bits=4, n_heads=2, n_kv_heads=1, head_dim=32, rope_dims=32, traditional=False,
+              base=10000.0, scale=1.0, offset=0)
+    with pytest.raises(ValueError, match="heads"):
+        native_ext.qkv_rope(x, list(ws[0]), list(ws[1]), list(ws[2]), **{**kw, "n_heads": 3})
+    with pytest.raises(ValueError, match="rope"):
+        native_ext.qkv_rope(x, list(ws[0]), list(ws[1]), list(ws[2]), **{**kw, "rope_dims": 33})
+    with pytest.raises(ValueError, match="float32"):
+        native_ext.qkv_rope(x.astype(mx.float16), list(ws[0]), list(ws[1]), list(ws[2]), **kw)
