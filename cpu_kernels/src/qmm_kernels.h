@@ -28,11 +28,12 @@ struct QmmArgs {
   float* out;         // (M, N) float32
   // Decode path of KernelSet::int16_x kernels instead of x/xsum: x rounded to int16 per weight group,
   // (M, kpad) with kpad = K rounded up to 64 and for 4-bit each 64-block ordered [x0, x2, ..., x62, x1, ..., x63];
-  // xd (M, gpad): the group scales d (x ~= d * xq); xqsum (M, gpad): sum of xq over each group (an integer);
+  // xd (M, gpad): the group scales d (x ~= d * xq); xcorr (M, gpad): off * (xsum - d * sum of xq over the
+  // group), off = 8 (4-bit) or 128 (8-bit), the term that lets the kernel centre q for free;
   // xsum then has stride gpad. Padding is zero.
   const int16_t* xq;
   const float* xd;
-  const float* xqsum;
+  const float* xcorr;
   int kpad, gpad;
 };
 

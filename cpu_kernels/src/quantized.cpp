@@ -125,13 +125,13 @@ void prep_int16_x(const float* xf, int M, int K, int group_size, int bits, std::
         q[pos] = static_cast<int16_t>(std::lrintf(xg[k] * inv));
         qsum += q[pos];
       }
-      xqs[(size_t)m * gpad + g] = static_cast<float>(qsum);
+      xqs[(size_t)m * gpad + g] = (bits == 4 ? 8.f : 128.f) * (sum - xd[(size_t)m * gpad + g] * static_cast<float>(qsum));
     }
   }
   for (auto& a : args) {
     a.xq = xq.data();
     a.xd = xd.data();
-    a.xqsum = xqs.data();
+    a.xcorr = xqs.data();
     a.xsum = xs.data();
     a.kpad = kpad;
     a.gpad = gpad;
