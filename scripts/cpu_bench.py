@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 LLAMA_CODE = r"""
@@ -66,49 +65,6 @@ def mlx_round(model, prompt, gen):
     t2 = time.perf_counter()
     # The first token's time is the prefill (prompt forward pass + one sample), as llama.cpp's eval(prompt).
     return len(prompt) / (t1 - t0), (n - 1) / (t2 - t1)
-
-
-@contextmanager
-def head_through_native(model, enabled: bool):
-    """Meanwhile route what ``kernels/patch.py`` does not route (yet) through the native provider: a tied
-    QuantizedEmbedding's ``as_linear`` (the LM head), ``nn.RMSNorm`` and ``nn.RoPE``."""
-    import mlx.nn as nn
-
-    from mlxinfer import native
-
-    provider = native.provider()
-    if not enabled or provider is None:
-        yield
-        return
-
-    class NativeHeadEmbedding(nn.QuantizedEmbedding):
-        def as_linear(self, x):
-            y = provider.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"),
-                                          group_size=self.group_size, bits=self.bits, mode=self.mode)
-            return super().as_linear(x) if y is None else y
-
-    class NativeRMSNorm(nn.RMSNorm):
-        def __call__(self, x):
-            y = provider.rms_norm(x, self["weight"], self.eps)
-            return super().__call__(x) if y is None else y
-
-    class NativeRoPE(nn.RoPE):
-        def __call__(self, x, offset: int = 0):
-            y = provider.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
-                              offset=offset)
-            return super().__call__(x, offset) if y is None else y
-
-    swaps = {nn.QuantizedEmbedding: NativeHeadEmbedding, nn.RMSNorm: NativeRMSNorm, nn.RoPE: NativeRoPE}
-    swapped = []
-    for _, m in model.named_modules():
-        if type(m) in swaps:
-            swapped.append((m, type(m)))
-            m.__class__ = swaps[type(m)]
-    try:
-        yield
-    finally:
-        for m, cls in swapped:
-            m.__class__ = cls
 
 
 def op_table(threads: int) -> None:
@@ -202,9 +158,6 @@ def main() -> int:
                     help="a Python with llama-cpp-python installed (skipped when missing)")
     ap.add_argument("--llama-1b", action="store_true",
                     help="random Llama-3.2-1B-shaped 4-bit model instead (native only: built-ins take minutes)")
-    ap.add_argument("--preview", action="store_true",
-                    help="also run 'native+preview': the tied-embedding LM head, RMSNorm and RoPE through the "
-                         "native provider too (what kernels/patch.py does not route yet)")
     ap.add_argument("--ops", action="store_true", help="single-op table (matmul, attention) instead of models")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -234,8 +187,7 @@ def main() -> int:
         if not Path(args.llama_python).exists():
             engines.remove("llama.cpp")
 
-    if args.preview:
-        engines.append("native+preview")
+    bw_before = read_bandwidth(args.threads) if per_token else 0.0
     results = {e: [] for e in engines}
     for r in range(args.rounds):
         for engine in engines:
@@ -250,8 +202,7 @@ def main() -> int:
                 report = apply_kernels(model, "builtin" if engine == "builtin" else "custom")
                 if engine != "builtin" and report.name != "cpu-native":
                     sys.exit(f"native kernels unavailable: {report.detail}")
-                with head_through_native(model, engine == "native+preview" or args.llama_1b):
-                    pre, dec = mlx_round(model, prompt, args.gen_tokens)
+                pre, dec = mlx_round(model, prompt, args.gen_tokens)
             results[engine].append((pre, dec))
             print(f"round {r + 1} {engine:10s} prefill {pre:8.1f} tok/s  decode {dec:7.1f} tok/s", flush=True)
 
@@ -264,9 +215,10 @@ def main() -> int:
         summary[engine] = {"prefill_tok_s": pre, "decode_tok_s": dec}
         print(f"{engine:10s} prefill {pre:8.1f} tok/s   decode {dec:7.1f} tok/s")
     if per_token:
-        bw = read_bandwidth(args.threads)
+        # The higher of two measurements (before and after the rounds): the stricter bound.
+        bw = max(bw_before, read_bandwidth(args.threads))
         bound = bw * 1e9 / per_token
-        dec = summary["native"]["decode_tok_s"]  # head, norms, RoPE native here (head_through_native)
+        dec = summary["native"]["decode_tok_s"]
         summary["bandwidth"] = {"bytes_per_token": per_token, "read_gb_s": bw, "bound_tok_s": bound,
                                 "native_fraction": dec / bound}
         print(f"bytes/token {per_token / 1e6:.1f} MB, read bandwidth {bw:.1f} GB/s -> bound {bound:.1f} tok/s; "
