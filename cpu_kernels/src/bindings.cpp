@@ -28,6 +28,8 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "float32 mx.fast.rms_norm.");
   m.def("rope", &mlxinfer_cpu::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,
         "offset"_a, "float32 mx.fast.rope with an integer offset.");
+  m.def("quantized_embedding", &mlxinfer_cpu::quantized_embedding, "ids"_a, "w"_a, "scales"_a, "biases"_a,
+        nb::kw_only(), "group_size"_a, "bits"_a, "nn.QuantizedEmbedding lookup: ids -> dequantized float32 rows.");
   m.def("qkv_rope", &mlxinfer_cpu::qkv_rope, "x"_a, "wq"_a, "wk"_a, "wv"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "q, k, v projections + head split + RoPE in one op: returns [q (B, Hq, L, D), k, v (B, Hkv, L, D)].");

@@ -28,6 +28,11 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 // mx.fast.rope(x, dims, traditional=, base=, scale=, offset=int) for float32 x (..., L, D).
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset);
 
+// nn.QuantizedEmbedding's lookup: ids (any shape, integer) -> dequantized rows (..., dim) float32 (float32
+// scales/biases). Out-of-range ids give zero rows.
+mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx::array& scales,
+                              const mx::array& biases, int group_size, int bits);
+
 // An attention block's input side: x (B, L, hidden) float32 times the quantized q/k/v projections (each
 // (w, scales, biases), float32 scales), split into heads and RoPE'd (first rope_dims of each head; 0 = none) at
 // positions offset + l. Returns q (B, n_heads, L, head_dim), k and v (B, n_kv_heads, L, head_dim).

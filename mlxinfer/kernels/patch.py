@@ -266,6 +266,14 @@ def _swap_attention_inputs(model: nn.Module, provider: KernelProvider) -> int:
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     _kernel_provider: KernelProvider
 
+    def __call__(self, x):
+        fn = getattr(self._kernel_provider, "quantized_embedding", None)
+        y = None if fn is None else fn(
+            x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size, bits=self.bits,
+            mode=self.mode,
+        )
+        return super().__call__(x) if y is None else y
+
     def as_linear(self, x):
         y = self._kernel_provider.quantized_matmul(
             x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size, bits=self.bits,

@@ -6,8 +6,8 @@ provider only needs to cover the cases it is good at.
 
 Required methods: ``quantized_matmul`` and ``sdpa``. Optional methods (looked up with ``getattr``, so CPU
 providers may leave them out): ``quantized_sdpa`` (attention over mlx-lm's ``QuantizedKVCache``),
-``swiglu`` (the fused ``silu(x·Wg) * (x·Wu)`` decode step), ``rms_norm``, ``rope`` and ``qkv_rope`` (an
-attention block's projections, head split and RoPE as one op).
+``swiglu`` (the fused ``silu(x·Wg) * (x·Wu)`` decode step), ``rms_norm``, ``rope``, ``quantized_embedding``
+(the embedding lookup) and ``qkv_rope`` (an attention block's projections, head split and RoPE as one op).
 """
 
 from __future__ import annotations
@@ -65,6 +65,14 @@ class OptionalKernels(Protocol):
     ) -> Optional[mx.array]:
         """Same as ``mx.fast.rope(x, dims, traditional=..., base=..., scale=..., offset=...)`` for x
         (..., L, D). Return None when not supported."""
+        ...
+
+    def quantized_embedding(
+        self, ids: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], *, group_size: int,
+        bits: int, mode: str = "affine",
+    ) -> Optional[mx.array]:
+        """Same as ``nn.QuantizedEmbedding.__call__``: ``mx.dequantize`` of the rows ``ids`` picks, ids (...) ->
+        (..., dim). Return None when not supported."""
         ...
 
     def qkv_rope(
