@@ -1,5 +1,6 @@
 // The Sdpa primitive: scaled-dot-product attention (decode and causal prefill) on the CPU stream.
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -60,11 +61,48 @@ void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::ar
   a.out = out.data<float>();
   const SdpaFn fn = select_sdpa();
   SpinPool& pool = SpinPool::get();
+  const int threads = pool.size();
+  // A unit (see attn_impl.inc) is one kv head with all its query heads at nq query positions: K/V are read
+  // once for its group * nq rows. Decode (small L) takes every position in one unit; prefill cuts L into
+  // blocks of about 48 rows so that causal blocks (longer towards the end) balance over the threads.
+  const int group = a.Hq / a.Hkv;
+  const int nq = std::max(1, std::min({a.L, std::max(1, 48 / group), 4095}));
+  const int units = a.B * a.Hkv * ((a.L + nq - 1) / nq);
+  // Split-K for decode when there are too few units for the threads: each task takes a range of at least
+  // 128 keys and the partial (max, sum, output) are combined below.
+  int nsplit = 1;
+  if (threads > 1 && units < 4 * threads) nsplit = std::max(1, std::min((8 * threads + units - 1) / units, a.S / 128));
   const int rows = a.B * a.Hq * a.L;
-  // Causal rows get longer towards the end; small tasks keep the threads balanced.
-  const int per = std::max(1, rows / (8 * pool.size()));
-  const int ntasks = (rows + per - 1) / per;
-  pool.run(ntasks, [&](int t, int) { fn(a, t * per, std::min(rows, (t + 1) * per)); });
+  const int plan = nq | (nsplit << 12);
+  if (nsplit == 1) {
+    pool.run(units, [&](int t, int) { fn(a, t, plan); });
+    return;
+  }
+  thread_local std::vector<float> scratch;
+  scratch.resize((size_t)nsplit * rows * (a.D + 2));
+  SdpaArgs sa = a;
+  sa.out = scratch.data();
+  pool.run(units * nsplit, [&](int t, int) { fn(sa, t, plan); });
+  const float* part = scratch.data();
+  const float* ml = part + (size_t)nsplit * rows * a.D;
+  const int D = a.D;
+  for (int g = 0; g < rows; ++g) {
+    float m = -INFINITY;
+    for (int s = 0; s < nsplit; ++s) m = std::max(m, ml[((size_t)s * rows + g) * 2]);
+    float* o = a.out + (size_t)g * D;
+    for (int d = 0; d < D; ++d) o[d] = 0.f;
+    float l = 0.f;
+    for (int s = 0; s < nsplit; ++s) {
+      const float ms = ml[((size_t)s * rows + g) * 2];
+      if (ms == -INFINITY) continue;  // split saw no key of this row
+      const float w = std::exp(ms - m);
+      l += w * ml[((size_t)s * rows + g) * 2 + 1];
+      const float* src = part + ((size_t)s * rows + g) * D;
+      for (int d = 0; d < D; ++d) o[d] += w * src[d];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int d = 0; d < D; ++d) o[d] *= inv;
+  }
 }
 
 void NativeSdpa::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

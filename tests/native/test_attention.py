@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import mlx.core as mx
 import pytest
 
@@ -17,6 +22,15 @@ pytestmark = pytest.mark.slow  # needs the compiled extension
         (1, 9, 3, 70, 70, 64, True),    # prefill
         (1, 8, 2, 3, 100, 72, False),   # head dim not a multiple of 16
         (1, 2, 1, 17, 50, 16, True),
+        (1, 9, 3, 1, 2048, 64, False),  # long decode: keys split over the threads, partials combined
+        (1, 9, 3, 4, 600, 64, True),    # multi-token decode chunk: each row sees a different key count
+        (2, 8, 2, 2, 700, 128, True),
+        (1, 9, 3, 300, 300, 64, True),  # prefill over several query blocks
+        (1, 2, 1, 300, 300, 32, True),  # few units: prefill splits keys too, early blocks see none of a split
+        (1, 9, 3, 129, 129, 64, False),
+        (1, 16, 1, 3, 257, 64, True),   # a 16-head group
+        (1, 3, 3, 130, 200, 7, True),   # head dim below one vector
+        (1, 4, 1, 1, 513, 100, False),
     ],
 )
 def test_matches_mlx(native_ext, B, Hq, Hkv, L, S, D, causal):
@@ -30,6 +44,64 @@ def test_matches_mlx(native_ext, B, Hq, Hkv, L, S, D, causal):
     out = native_ext.sdpa(q, k, v, scale=D**-0.5, causal=causal)
     assert out.shape == ref.shape
     assert mx.allclose(out, ref, atol=1e-5, rtol=1e-5), mx.abs(out - ref).max().item()
+
+
+def test_peaked_scores(native_ext):
+    """Large scores: most probabilities underflow to 0 (exp of very negative and -inf inputs). Scores this large
+    lose digits in float32 either way, so both kernels are held to a float64 reference."""
+    np = pytest.importorskip("numpy")
+    mx.random.seed(7)
+    L, S = 3, 900
+    q = 40.0 * mx.random.normal((1, 9, L, 64))
+    k = mx.random.normal((1, 3, S, 64))
+    v = mx.random.normal((1, 3, S, 64))
+    out = native_ext.sdpa(q, k, v, scale=0.125, causal=True)
+    qn, kn, vn = (np.array(a).astype(np.float64) for a in (q, k, v))
+    s = qn @ np.repeat(kn, 3, axis=1).transpose(0, 1, 3, 2) * 0.125
+    s[..., np.arange(S)[None, :] > np.arange(L)[:, None] + S - L] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = (p / p.sum(-1, keepdims=True)) @ np.repeat(vn, 3, axis=1)
+    assert (p < 1e-38).mean() > 0.5  # the case this test is about
+    mlx_err = np.abs(np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")) - ref).max()
+    assert np.abs(np.array(out) - ref).max() <= max(1e-5, mlx_err)
+
+
+_ISA_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import mlx.core as mx
+    from mlxinfer import native
+    ext = native.extension()
+    print(ext.isa(), ext.num_threads())
+    mx.random.seed(5)
+    for B, Hq, Hkv, L, S, D, causal in [(1, 9, 3, 1, 1500, 64, False), (1, 9, 3, 8, 1100, 64, True),
+                                        (1, 6, 2, 200, 260, 48, True), (1, 2, 1, 1, 70, 72, False)]:
+        q = mx.random.normal((B, Hq, L, D))
+        k = mx.random.normal((B, Hkv, S + 3, D))[:, :, :S]
+        v = mx.random.normal((B, Hkv, S + 3, D))[:, :, :S]
+        mask = "causal" if causal else None
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+        out = ext.sdpa(q, k, v, scale=D**-0.5, causal=causal)
+        if not mx.allclose(out, ref, atol=1e-5, rtol=1e-5).item():
+            sys.exit(f"{(B, Hq, Hkv, L, S, D, causal)} err={mx.abs(out - ref).max().item()}")
+    """
+)
+
+
+def test_every_isa_variant_and_thread_count(native_ext):
+    """Each attention body this CPU can run (generic, avx2, avx512) on 1 and 3 threads gives MLX's answer."""
+    isas = ["generic"]
+    if native_ext.isa() in ("avx2", "avx512"):
+        isas.append("avx2")
+    if native_ext.isa() == "avx512":
+        isas.append("avx512")
+    for isa in isas:
+        for threads in ("1", "3"):
+            env = {**os.environ, "MLXINFER_ISA": isa, "MLXINFER_THREADS": threads}
+            proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True,
+                                  timeout=120)
+            assert proc.returncode == 0, proc.stderr + proc.stdout
+            assert proc.stdout.split()[:2] == [isa, threads]
 
 
 def test_transposed_query(native_ext):
