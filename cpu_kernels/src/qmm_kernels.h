@@ -80,8 +80,9 @@ struct SdpaArgs {
   float* out;                    // (B, Hq, L, D) contiguous
 };
 
-// Rows [r0, r1) of the flattened (B, Hq, L) query rows, each an online softmax over its keys.
-using SdpaFn = void (*)(const SdpaArgs&, int r0, int r1);
+// One task of the plan that run_sdpa (attention.cpp) chose: `plan` packs the query positions per unit and the
+// number of key ranges (split-K); attn_impl.inc documents how a task index maps to (b, kv head, rows, keys).
+using SdpaFn = void (*)(const SdpaArgs&, int task, int plan);
 
 SdpaFn generic_sdpa();
 #if defined(__x86_64__) || defined(_M_X64)

@@ -42,7 +42,10 @@ void SpinPool::start(int nthreads) {
   if (nthreads < 1) nthreads = 1;
   quit_ = false;
   size_ = nthreads;
-  for (int i = 1; i < nthreads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  // Each worker starts from the generation at creation: one that first runs after a quick stop() must still
+  // see that stop's bump (reading the generation in the thread itself could miss it and wait forever).
+  const uint64_t gen = generation_.load(std::memory_order_acquire);
+  for (int i = 1; i < nthreads; ++i) workers_.emplace_back([this, i, gen] { worker_loop(i, gen); });
 }
 
 void SpinPool::stop() {
@@ -83,8 +86,7 @@ void SpinPool::work(uint64_t gen, int thread_index) {
   }
 }
 
-void SpinPool::worker_loop(int index) {
-  uint64_t seen = generation_.load(std::memory_order_acquire);
+void SpinPool::worker_loop(int index, uint64_t seen) {
   while (true) {
     // Spin, then sleep until the generation moves on.
     auto start = std::chrono::steady_clock::now();

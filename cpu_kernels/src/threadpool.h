@@ -27,7 +27,7 @@ class SpinPool {
   SpinPool();
   void start(int nthreads);
   void stop();
-  void worker_loop(int index);
+  void worker_loop(int index, uint64_t seen);
   void work(uint64_t gen, int thread_index);
 
   int size_{1};

@@ -163,6 +163,16 @@ def test_set_num_threads(native_ext):
         native.set_num_threads(before)
 
 
+def test_rapid_resizes_do_not_hang():
+    """A pool resized right after it starts (workers not yet running) must not leave a worker waiting."""
+    code = (
+        "import mlx.core as mx\nfrom mlxinfer import native\ne = native.extension()\n"
+        "for n in (3, 1, 4, 2, 5, 2) * 20: e.set_num_threads(n)\nprint(e.num_threads())"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split() == ["2"], proc.stderr
+
+
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 64)])
 def test_swiglu_matches_mlx(native_ext, bits, group_size):
     import mlx.nn as nn
