@@ -187,3 +187,27 @@ def test_swiglu_matches_mlx(native_ext, bits, group_size):
         )
         out = native_ext.swiglu(x, *g, *u, group_size=group_size, bits=bits)
         assert_close(out, ref)
+
+
+def test_provider_declines_what_the_kernels_do_not_cover(native_ext):
+    """The provider returns None (-> MLX built-in) when the extension rejects the arguments."""
+    from mlxinfer import native
+
+    p = native.provider()
+    q3, s3, b3 = mx.quantize(mx.random.normal((64, 128)), group_size=64, bits=3)
+    assert p.quantized_matmul(mx.ones((1, 128)), q3, s3, b3, group_size=64, bits=3) is None
+    q, s, b = mx.quantize(mx.random.normal((64, 128)), group_size=64, bits=4)
+    assert p.quantized_matmul(mx.ones((1, 128)), q, s, b, group_size=64, bits=4, mode="mxfp4") is None
+    assert p.quantized_matmul(mx.ones((1, 64)), q, s, b, group_size=64, bits=4) is None  # K mismatch
+    assert p.quantized_matmul(mx.ones((1, 128)), q, s, b, group_size=64, bits=4) is not None
+    qkv = (q, s, b)
+    kw = dict(group_size=64, bits=4, n_heads=2, n_kv_heads=2, head_dim=32, rope_dims=32, traditional=False,
+              base=10000.0, scale=1.0)
+    assert p.qkv_rope(mx.ones((1, 1, 128)), qkv, qkv, qkv, offset=0, **kw) is not None
+    assert p.qkv_rope(mx.ones((1, 1, 128), dtype=mx.float16), qkv, qkv, qkv, offset=0, **kw) is None
+    assert p.qkv_rope(mx.ones((1, 1, 128)), qkv, qkv, qkv, offset=mx.array(3), **kw) is None
+    x = mx.ones((1, 2, 4, 32))
+    assert p.sdpa(x, x, x, scale=1.0, mask=mx.ones((4, 4), dtype=mx.bool_)) is None
+    assert p.sdpa(x.astype(mx.float16), x, x, scale=1.0, mask=None) is None
+    assert p.rope(x, 32, traditional=False, base=10000.0, scale=1.0, offset=0, freqs=mx.ones((16,))) is None
+    assert p.rms_norm(x, mx.ones((31,)), 1e-5) is None
