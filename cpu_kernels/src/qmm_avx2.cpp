@@ -55,6 +55,6 @@ constexpr int kPackM = 16;
 
 SdpaFn avx2_sdpa() { return isa_avx2::sdpa_rows; }
 
-KernelSet avx2_kernels() { return {"avx2", isa_avx2::kPackM, isa_avx2::qmv, isa_avx2::qmm}; }
+KernelSet avx2_kernels() { return {"avx2", isa_avx2::kPackM, isa_avx2::qmv, isa_avx2::qmm, false, isa_avx2::silu_mul}; }
 
 }  // namespace mlxinfer_cpu

@@ -45,6 +45,6 @@ constexpr int kPackM = 32;
 
 SdpaFn avx512_sdpa() { return isa_avx512::sdpa_rows; }
 
-KernelSet avx512_kernels() { return {"avx512", isa_avx512::kPackM, isa_avx512::qmv, isa_avx512::qmm}; }
+KernelSet avx512_kernels() { return {"avx512", isa_avx512::kPackM, isa_avx512::qmv, isa_avx512::qmm, false, isa_avx512::silu_mul}; }
 
 }  // namespace mlxinfer_cpu

@@ -63,7 +63,7 @@ constexpr int kPackM = 16;
 
 SdpaFn generic_sdpa() { return isa_generic::sdpa_rows; }
 
-KernelSet generic_kernels() { return {"generic", isa_generic::kPackM, isa_generic::qmv, isa_generic::qmm}; }
+KernelSet generic_kernels() { return {"generic", isa_generic::kPackM, isa_generic::qmv, isa_generic::qmm, false, isa_generic::silu_mul}; }
 
 const KernelSet& select_kernels() {
   static const KernelSet chosen = [] {

@@ -53,6 +53,12 @@ struct KernelSet {
   QmvFn qmv;
   QmmFn qmm;
   bool int16_x = false;  // qmv reads QmmArgs::xq/xd (int16 x) instead of the float32 x
+  // out[i] = silu(g[i]) * u[i] (SwiGLU's gate), vectorised for this ISA.
+  void (*silu_mul)(const float* g, const float* u, float* out, size_t n) = nullptr;
+  // For int16_x sets: fills xq/xd/xcorr/xsum (layouts in QmmArgs) for x (M, K) float32; buffers are sized by
+  // the caller (kpad, gpad) and zeroed.
+  void (*prep_x16)(const float* x, int M, int K, int group_size, int bits, int kpad, int gpad, int16_t* xq,
+                   float* xd, float* xcorr, float* xsum) = nullptr;
 };
 
 KernelSet generic_kernels();

@@ -11,6 +11,7 @@
 // Prefill (M > 8) and attention keep the float32 AVX-512 kernels (compute-bound, already blocked).
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -195,6 +196,62 @@ static void qmv(const QmmArgs& a, int n0, int n1) {
   }
 }
 
+// x rounded to int16 per weight group, in the layout QmmArgs::xq describes (the caller zeroes the buffers).
+static void prep_x16(const float* x, int M, int K, int gs, int bits, int kpad, int gpad, int16_t* xq, float* xd,
+                     float* xcorr, float* xsum) {
+  thread_local std::vector<int16_t> tmp;
+  tmp.assign(kpad, 0);
+  const int ng = K / gs, nv = gs / 16;
+  const float off = bits == 4 ? 8.f : 128.f;
+  for (int m = 0; m < M; ++m) {
+    int16_t* q = bits == 4 ? tmp.data() : xq + (size_t)m * kpad;  // natural order first for 4-bit
+    for (int g = 0; g < ng; ++g) {
+      const float* xg = x + (size_t)m * K + (size_t)g * gs;
+      __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+      for (int v = 0; v < nv; ++v) {
+        const __m512 xv = _mm512_loadu_ps(xg + 16 * v);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(xv));
+        vsum = _mm512_add_ps(vsum, xv);
+      }
+      const float amax = _mm512_reduce_max_ps(vmax), sum = _mm512_reduce_add_ps(vsum);
+      const size_t o = (size_t)m * gpad + g;
+      xsum[o] = sum;
+      if (!(amax > 0.f) || !std::isfinite(amax)) {  // all zero: nothing to add; inf/nan: let d carry it
+        xd[o] = amax > 0.f ? amax : 0.f;
+        for (int k = 0; k < gs; ++k) q[g * gs + k] = 0;
+        continue;
+      }
+      const __m512 inv = _mm512_set1_ps(32767.f / amax);
+      __m512i isum = _mm512_setzero_si512();
+      for (int v = 0; v < nv; ++v) {
+        // Round to nearest even, as lrintf.
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + 16 * v), inv));
+        isum = _mm512_add_epi32(isum, qi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * gs + 16 * v), _mm512_cvtsepi32_epi16(qi));
+      }
+      xd[o] = amax / 32767.f;
+      xcorr[o] = off * (sum - xd[o] * static_cast<float>(_mm512_reduce_add_epi32(isum)));
+    }
+    if (bits == 4) {
+      // Each 64-block as [x0, x2, ..., x62, x1, x3, ..., x63].
+      __m512i even_idx, odd_idx;
+      alignas(64) int16_t ie[32], io[32];
+      for (int i = 0; i < 32; ++i) {
+        ie[i] = static_cast<int16_t>(2 * i);
+        io[i] = static_cast<int16_t>(2 * i + 1);
+      }
+      even_idx = _mm512_load_si512(ie);
+      odd_idx = _mm512_load_si512(io);
+      int16_t* dst = xq + (size_t)m * kpad;
+      for (int b = 0; b < kpad; b += 64) {
+        const __m512i lo = _mm512_loadu_si512(tmp.data() + b), hi = _mm512_loadu_si512(tmp.data() + b + 32);
+        _mm512_storeu_si512(dst + b, _mm512_permutex2var_epi16(lo, even_idx, hi));
+        _mm512_storeu_si512(dst + b + 32, _mm512_permutex2var_epi16(lo, odd_idx, hi));
+      }
+    }
+  }
+}
+
 }  // namespace isa_vnni
 
 KernelSet avx512vnni_kernels() {
@@ -202,6 +259,7 @@ KernelSet avx512vnni_kernels() {
   ks.isa = "avx512vnni";
   ks.qmv = isa_vnni::qmv;
   ks.int16_x = true;
+  ks.prep_x16 = isa_vnni::prep_x16;
   return ks;
 }
 

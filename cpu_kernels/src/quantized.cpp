@@ -89,49 +89,25 @@ constexpr int64_t kSerialWeights = 128 * 1024;
 // Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
 inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 
-// x for KernelSet::int16_x decode kernels (layout in QmmArgs::xq): each weight group of each row is rounded to
-// int16 with its own scale d = max|x| / 32767, so one outlier only coarsens its own group.
-void prep_int16_x(const float* xf, int M, int K, int group_size, int bits, std::vector<QmmArgs>& args) {
+// x for KernelSet::int16_x decode kernels (layout in QmmArgs::xq, filled by the set's prep_x16): each weight
+// group of each row is rounded to int16 with its own scale d = max|x| / 32767, so one outlier only coarsens its
+// own group.
+void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, int bits,
+                  std::vector<QmmArgs>& args) {
   thread_local std::vector<int16_t> xq;
-  thread_local std::vector<float> xd, xs, xqs;
+  thread_local std::vector<float> xd, xs, xc;
   const int ng = K / group_size;
   const int kpad = (K + 63) / 64 * 64;
   const int gpad = (ng + 1 + 15) / 16 * 16;  // one spare group: a 64-block reads two group scales
   xq.assign((size_t)M * kpad, 0);
   xd.assign((size_t)M * gpad, 0.f);
   xs.assign((size_t)M * gpad, 0.f);
-  xqs.assign((size_t)M * gpad, 0.f);
-  for (int m = 0; m < M; ++m) {
-    int16_t* q = xq.data() + (size_t)m * kpad;
-    for (int g = 0; g < ng; ++g) {
-      const float* xg = xf + (size_t)m * K + (size_t)g * group_size;
-      float amax = 0.f, sum = 0.f;
-      for (int k = 0; k < group_size; ++k) {
-        amax = std::max(amax, std::fabs(xg[k]));
-        sum += xg[k];
-      }
-      xs[(size_t)m * gpad + g] = sum;
-      if (!(amax > 0.f) || !std::isfinite(amax)) {
-        // All zero (nothing to add) or inf/nan: keep the float32 meaning by letting d carry it.
-        xd[(size_t)m * gpad + g] = amax > 0.f ? amax : 0.f;
-        continue;
-      }
-      const float inv = 32767.f / amax;
-      xd[(size_t)m * gpad + g] = amax / 32767.f;
-      int qsum = 0;
-      for (int k = 0; k < group_size; ++k) {
-        const int kk = g * group_size + k;
-        const int pos = bits == 4 ? (kk & ~63) + ((kk & 1) ? 32 : 0) + ((kk & 63) >> 1) : kk;
-        q[pos] = static_cast<int16_t>(std::lrintf(xg[k] * inv));
-        qsum += q[pos];
-      }
-      xqs[(size_t)m * gpad + g] = (bits == 4 ? 8.f : 128.f) * (sum - xd[(size_t)m * gpad + g] * static_cast<float>(qsum));
-    }
-  }
+  xc.assign((size_t)M * gpad, 0.f);
+  ks.prep_x16(xf, M, K, group_size, bits, kpad, gpad, xq.data(), xd.data(), xc.data(), xs.data());
   for (auto& a : args) {
     a.xq = xq.data();
     a.xd = xd.data();
-    a.xcorr = xqs.data();
+    a.xcorr = xc.data();
     a.xsum = xs.data();
     a.kpad = kpad;
     a.gpad = gpad;
@@ -173,9 +149,10 @@ void run_swiglu(const std::vector<mx::array>& in, mx::array& out, int group_size
   ubuf.resize(out.size());
   qmm_float(in[0], {{&in[1], &in[2], &in[3], gbuf.data()}, {&in[4], &in[5], &in[6], ubuf.data()}}, group_size,
             bits);
-  const float* g = gbuf.data();
-  const float* u = ubuf.data();
-  store_out(out, out.size(), [g, u](size_t i) { return g[i] / (1.f + std::exp(-g[i])) * u[i]; });
+  // The gate in place (vectorised exp), then one rounding into out's dtype.
+  select_kernels().silu_mul(gbuf.data(), ubuf.data(), gbuf.data(), out.size());
+  const float* h = gbuf.data();
+  store_out(out, out.size(), [h](size_t i) { return h[i]; });
 }
 
 class NativeSwiglu : public mx::UnaryPrimitive {
@@ -262,7 +239,7 @@ void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_siz
   const int T = pool.size();
 
   if (M <= 8 && ks.int16_x) {
-    prep_int16_x(xf, M, K, group_size, bits, args);
+    prep_int16_x(ks, xf, M, K, group_size, bits, args);
   } else if (M <= 8) {
     xprep.resize((size_t)M * K);
     xsum.resize((size_t)M * ng);
