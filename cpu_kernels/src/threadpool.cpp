@@ -18,6 +18,7 @@ namespace {
 // How long an idle worker spins before sleeping: long enough to span the non-matmul ops of a
 // decoder layer, short enough not to burn a core between tokens.
 constexpr auto kSpin = std::chrono::microseconds(1000);
+constexpr int kYieldEvery = 256;  // pause instructions between yields (64 and 1024 measured the same)
 
 int default_threads() {
   if (const char* env = std::getenv("MLXINFER_THREADS")) {
@@ -93,8 +94,11 @@ void SpinPool::worker_loop(int index, uint64_t seen) {
     int spins = 0;
     while (generation_.load(std::memory_order_acquire) == seen) {
       MLXINFER_PAUSE();
-      if (++spins == 256) {
+      if (++spins == kYieldEvery) {
         spins = 0;
+        // Give the core away briefly: on a machine with as many cores as pool threads, the thread that
+        // builds the next graph (Python) needs one too (measured: +7% decode tok/s on 2 cores).
+        std::this_thread::yield();
         if (std::chrono::steady_clock::now() - start > kSpin) {
           std::unique_lock<std::mutex> lock(wake_mutex_);
           sleeping_++;
