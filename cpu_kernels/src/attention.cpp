@@ -19,7 +19,8 @@ namespace {
 
 class NativeSdpa : public mx::UnaryPrimitive {
  public:
-  NativeSdpa(mx::Stream s, float scale, bool causal) : mx::UnaryPrimitive(s), scale_(scale), causal_(causal) {}
+  NativeSdpa(mx::Stream s, float scale, bool causal, bool heads_last)
+      : mx::UnaryPrimitive(s), scale_(scale), causal_(causal), heads_last_(heads_last) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -28,7 +29,7 @@ class NativeSdpa : public mx::UnaryPrimitive {
   const char* name() const override { return "MlxinferSdpa"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const NativeSdpa*>(&other);
-    return o && o->scale_ == scale_ && o->causal_ == causal_;
+    return o && o->scale_ == scale_ && o->causal_ == causal_ && o->heads_last_ == heads_last_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
@@ -37,11 +38,13 @@ class NativeSdpa : public mx::UnaryPrimitive {
  private:
   float scale_;
   bool causal_;
+  bool heads_last_;
 };
 
 void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::array& out, float scale,
-              bool causal) {
+              bool causal, bool heads_last) {
   SdpaArgs a{};
+  a.heads_last = heads_last;
   a.B = q.shape(0);
   a.Hq = q.shape(1);
   a.L = q.shape(2);
@@ -89,7 +92,8 @@ void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::ar
   for (int g = 0; g < rows; ++g) {
     float m = -INFINITY;
     for (int s = 0; s < nsplit; ++s) m = std::max(m, ml[((size_t)s * rows + g) * 2]);
-    float* o = a.out + (size_t)g * D;
+    // Flattened row g = (b * Hq + h) * L + i.
+    float* o = a.out + a.out_row(g / (a.Hq * a.L), (g / a.L) % a.Hq, g % a.L);
     for (int d = 0; d < D; ++d) o[d] = 0.f;
     float l = 0.f;
     for (int s = 0; s < nsplit; ++s) {
@@ -112,18 +116,19 @@ void NativeSdpa::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   enc.set_output_array(out);
   std::vector<mx::array> in;
   for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-  enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_,
-                causal = causal_]() mutable {
+  enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_, causal = causal_,
+                heads_last = heads_last_]() mutable {
     // The kernel reads any strides (a KV-cache slice, a transposed q) as long as the last is 1.
     for (auto& a : in)
       if (a.strides().back() != 1) a = row_contiguous_copy(a);
-    run_sdpa(in[0], in[1], in[2], out, scale, causal);
+    run_sdpa(in[0], in[1], in[2], out, scale, causal, heads_last);
   });
 }
 
 }  // namespace
 
-mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+               bool heads_last) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.sdpa] " + msg); };
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) fail("q, k, v must be 4-D (B, heads, len, dim)");
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) fail("float32 only");
@@ -131,8 +136,10 @@ mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float
   if (k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) fail("query heads must be a multiple of kv heads");
   if (q.shape(3) > 1024) fail("head dim > 1024");
   if (causal && q.shape(2) > k.shape(2)) fail("causal needs L <= S");
-  return mx::array(q.shape(), mx::float32,
-                   std::make_shared<NativeSdpa>(mx::to_stream({}, mx::Device::cpu), scale, causal), {q, k, v});
+  const mx::Shape shape = heads_last ? mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)} : q.shape();
+  return mx::array(shape, mx::float32,
+                   std::make_shared<NativeSdpa>(mx::to_stream({}, mx::Device::cpu), scale, causal, heads_last),
+                   {q, k, v});
 }
 
 }  // namespace mlxinfer_cpu

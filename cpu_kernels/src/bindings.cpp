@@ -23,7 +23,9 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.def("swiglu", &mlxinfer_cpu::swiglu, "x"_a, "wg"_a, "sg"_a, "bg"_a, "wu"_a, "su"_a, "bu"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "silu(x @ Wg.T) * (x @ Wu.T) with both weights quantized (one pass over x).");
   m.def("sdpa", &mlxinfer_cpu::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
-        "float32 attention, as mx.fast.scaled_dot_product_attention with mask None or 'causal'.");
+        "heads_last"_a = false,
+        "float32 attention, as mx.fast.scaled_dot_product_attention with mask None or 'causal'; heads_last: "
+        "output (B, L, heads, D).");
   m.def("rms_norm", &mlxinfer_cpu::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "float32 mx.fast.rms_norm.");
   m.def("rope", &mlxinfer_cpu::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,

@@ -19,8 +19,10 @@ mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, c
                  const mx::array& wu, const mx::array& su, const mx::array& bu, int group_size, int bits);
 
 // mx.fast.scaled_dot_product_attention for float32 q (B, Hq, L, D), k/v (B, Hkv, S, D), no mask or a
-// causal one (aligned to the end of the keys). Runs on the CPU stream.
-mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal);
+// causal one (aligned to the end of the keys). Runs on the CPU stream. heads_last: the output is
+// (B, L, Hq, D) instead of (B, Hq, L, D) (what an o_proj takes after a reshape, without a transpose copy).
+mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+               bool heads_last = false);
 
 // mx.fast.rms_norm(x, weight, eps) for float32.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);

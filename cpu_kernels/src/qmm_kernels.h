@@ -83,7 +83,13 @@ struct SdpaArgs {
   bool causal;
   const float *q, *k, *v;
   int64_t qs[3], ks[3], vs[3];  // element strides of dims 0..2
-  float* out;                    // (B, Hq, L, D) contiguous
+  float* out;                    // (B, Hq, L, D) contiguous, or (B, L, Hq, D) when heads_last
+  bool heads_last;               // output rows in (B, L, Hq, D) order: the o_proj input needs no transpose
+
+  // Element offset of output row (b, h, i).
+  int64_t out_row(int b, int h, int i) const {
+    return (heads_last ? ((int64_t)b * L + i) * Hq + h : ((int64_t)b * Hq + h) * L + i) * D;
+  }
 };
 
 // One task of the plan that run_sdpa (attention.cpp) chose: `plan` packs the query positions per unit and the

@@ -238,11 +238,14 @@ def _attention_call(base: type) -> Callable:
         queries, keys, values = out  # (B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim) x 2, RoPE'd
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        # The module's (possibly swapped) attention function, looked up as the original code does.
-        sdpa = sys.modules[base.__module__].scaled_dot_product_attention
-        output = sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         B, L, _ = x.shape
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        # Attention straight into (B, L, n_heads, head_dim) saves the transpose copy before o_proj.
+        output = self._kernel_provider.sdpa(queries, keys, values, scale=self.scale, mask=mask, heads_last=True)
+        if output is None:
+            # The module's (possibly swapped) attention function, looked up as the original code does.
+            sdpa = sys.modules[base.__module__].scaled_dot_product_attention
+            output = sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
+        return self.o_proj(output.reshape(B, L, -1))
 
     return __call__
 

@@ -91,12 +91,13 @@ class NativeCpuProvider:
         except _REJECTED:
             return None
 
-    def sdpa(self, q, k, v, *, scale: float, mask) -> Optional[mx.array]:
-        # float32 (the CPU dtype policy) with no mask or a causal one; array masks go to the built-in.
+    def sdpa(self, q, k, v, *, scale: float, mask, heads_last: bool = False) -> Optional[mx.array]:
+        """float32 attention with no mask or a causal one (array masks go to the built-in). q (B, n_heads, L, D),
+        k/v (B, n_kv_heads, S, D) -> (B, n_heads, L, D), or (B, L, n_heads, D) with ``heads_last``."""
         if mask is not None and not (isinstance(mask, str) and mask == "causal"):
             return None
         try:
-            # q (B, n_heads, L, D), k/v (B, n_kv_heads, S, D) -> (B, n_heads, L, D)
-            return self._ext.sdpa(q, k, v, scale=float(scale), causal=mask is not None and q.shape[2] > 1)
+            return self._ext.sdpa(q, k, v, scale=float(scale), causal=mask is not None and q.shape[2] > 1,
+                                  heads_last=heads_last)
         except _REJECTED:
             return None
