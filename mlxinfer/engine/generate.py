@@ -1,4 +1,4 @@
-"""Generation as layered generators: token step (mlx-lm's ``generate_step``) -> ``stream_generate`` (text pieces,
+"""Generation as layered generators: token step (``steps.token_steps``) -> ``stream_generate`` (text pieces,
 stop strings, timing stats) -> ``generate`` (collected text). Chat, bench and tests consume the same stream."""
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def stream_generate(
     """Yield the reply piece by piece. ``cache`` (an mlx-lm prompt cache) is extended in place: pass the tokens
     it does not hold yet as ``prompt``. After the stream ends the cache holds prompt + ``stats.tokens``."""
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .steps import token_steps
 
     params = (params or SamplingParams()).validate()
     tokens = encode_prompt(loaded, prompt) if isinstance(prompt, str) else list(prompt)
@@ -100,14 +102,15 @@ def stream_generate(
 
     mx.reset_peak_memory()
     start = last = time.perf_counter()
-    steps = generate_step(
-        mx.array(tokens), loaded.model, max_tokens=params.max_tokens, sampler=make_sampler(params),
-        logits_processors=make_logits_processors(params), prompt_cache=cache,
-        prefill_step_size=prefill_step_size, prompt_progress_callback=prompt_progress,
+    steps = token_steps(
+        loaded.model, tokens, cache=cache if cache is not None else make_prompt_cache(loaded.model),
+        sampler=make_sampler(params), greedy=params.temperature == 0,
+        logits_processors=make_logits_processors(params), max_tokens=params.max_tokens,
+        prefill_step_size=prefill_step_size, prompt_progress=prompt_progress,
     )
     finish, stopped_by_string = "length", False
     try:
-        for token, _logprobs in steps:
+        for token in steps:
             now = time.perf_counter()
             if stats.generation_tokens == 0:
                 stats.ttft = now - start

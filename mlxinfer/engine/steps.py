@@ -1,0 +1,74 @@
+"""The token step: prefill the prompt in chunks, then one sampled token per model call.
+
+It keeps mlx-lm's ``generate_step`` contract (``model(x, cache=cache)``, the cache extended in place, the next
+step's graph built while the current one evaluates, the cache holding every yielded token) but yields token ids
+only and never normalises the logits: the samplers are shift-invariant, so greedy decoding takes the raw logits
+and the others the logits minus their max. ``generate_step`` computes ``logits - logsumexp(logits)`` every step,
+which on MLX's CPU build costs ~0.6 ms for a 49k vocabulary: 5-7% of a SmolLM2 decode step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional, Sequence
+
+
+def token_steps(
+    model,
+    prompt: Sequence[int],
+    *,
+    cache: list,
+    sampler: Callable,
+    greedy: bool,
+    logits_processors: Sequence[Callable] = (),
+    max_tokens: int = 256,
+    prefill_step_size: int = 512,
+    prompt_progress: Optional[Callable[[int, int], None]] = None,
+) -> Iterator[int]:
+    """Yield up to ``max_tokens`` (-1: no limit) token ids continuing ``prompt`` (at least one token), which
+    ``cache`` (an mlx-lm prompt cache) does not hold yet."""
+    import mlx.core as mx
+
+    progress = prompt_progress or (lambda done, total: None)
+    total = len(prompt)
+    rest = mx.array(list(prompt))
+    history = rest if logits_processors else None  # every token so far, for the logits processors
+    progress(0, total)
+    done = 0
+    while total - done > 1:  # all but the last prompt token, in chunks: (1, n) -> cache
+        n = min(prefill_step_size, total - done - 1)
+        model(rest[:n][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        done += n
+        progress(done, total)
+        rest = rest[n:]
+        mx.clear_cache()
+
+    def step(tokens: mx.array, extend: bool) -> mx.array:
+        nonlocal history
+        logits = model(tokens[None], cache=cache)[:, -1, :]  # (1, vocab)
+        if logits_processors:
+            if extend:
+                history = mx.concatenate([history, tokens])
+            for processor in logits_processors:
+                logits = processor(history, logits)
+        if not greedy:
+            logits = logits - mx.max(logits, axis=-1, keepdims=True)
+        return sampler(logits)  # (1,)
+
+    y = step(rest, extend=False)
+    mx.async_eval(y)
+    n = 0
+    while True:
+        if n != max_tokens:
+            next_y = step(y, extend=True)
+            mx.async_eval(next_y)
+        if n == 0:
+            mx.eval(y)
+            progress(total, total)
+        if n == max_tokens:
+            break
+        yield y.item()
+        if n % 256 == 0:
+            mx.clear_cache()
+        y = next_y
+        n += 1
