@@ -4,8 +4,9 @@
     python scripts/cpu_bench.py                     # bundled SmolLM2 Q4_1: prefill + decode tok/s, 3 engines
     python scripts/cpu_bench.py --llama-1b          # random 4-bit model with Llama-3.2-1B shapes: % of bandwidth
 
-Every engine runs with the same thread count (--threads, default: all cores) on the same prompt token ids, and
-the rounds are interleaved (llama.cpp, builtin, native, llama.cpp, ...) so that load from other processes hits
+"builtin" is mlx-lm's own loop (``generate_step``) on MLX's built-in kernels; "native" is mlxinfer as its chat
+and bench run it (its token step, its kernels). Every engine runs with the same thread count (--threads,
+default: all cores) on the same prompt token ids, and the rounds are interleaved (llama.cpp, builtin, native, llama.cpp, ...) so that load from other processes hits
 all of them alike; the table shows the median over rounds. llama.cpp is only a yardstick: it runs through
 ``llama-cpp-python`` from another virtualenv (--llama-python), never as a dependency of mlxinfer.
 """
@@ -50,15 +51,25 @@ def bundled_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def mlx_round(model, prompt, gen):
-    """(prefill tok/s, decode tok/s) for one greedy run through mlx-lm's generate_step."""
+def mlx_round(model, prompt, gen, ours: bool):
+    """(prefill tok/s, decode tok/s) for one greedy run: mlxinfer's token step (``ours``, what ``mlxinfer chat``
+    and ``bench`` run) or mlx-lm's ``generate_step``."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxinfer.engine.steps import token_steps
+
+    argmax = lambda lg: mx.argmax(lg, -1)  # noqa: E731
     t0 = time.perf_counter()
+    if ours:
+        steps = token_steps(model, prompt, cache=make_prompt_cache(model), sampler=argmax, greedy=True,
+                            max_tokens=gen, prefill_step_size=2048)
+    else:
+        steps = (t for t, _ in generate_step(mx.array(prompt), model, max_tokens=gen, sampler=argmax,
+                                             prefill_step_size=2048))
     n = 0
-    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=gen, sampler=lambda lg: mx.argmax(lg, -1),
-                                prefill_step_size=2048):
+    for _ in steps:
         if n == 0:
             t1 = time.perf_counter()
         n += 1
@@ -202,7 +213,7 @@ def main() -> int:
                 report = apply_kernels(model, "builtin" if engine == "builtin" else "custom")
                 if engine != "builtin" and report.name != "cpu-native":
                     sys.exit(f"native kernels unavailable: {report.detail}")
-                pre, dec = mlx_round(model, prompt, args.gen_tokens)
+                pre, dec = mlx_round(model, prompt, args.gen_tokens, ours=engine != "builtin")
             results[engine].append((pre, dec))
             print(f"round {r + 1} {engine:10s} prefill {pre:8.1f} tok/s  decode {dec:7.1f} tok/s", flush=True)
 
