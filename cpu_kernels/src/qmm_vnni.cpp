@@ -11,6 +11,7 @@
 // Prefill (M > 8) and attention keep the float32 AVX-512 kernels (compute-bound, already blocked).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -99,6 +100,9 @@ __attribute__((always_inline)) static inline void unit_dot(const QmmArgs& a, con
 
 // Prefetch distance in bytes (1024, 2048 and 4096 measured within 3% of each other on Llama-1B shapes).
 constexpr int kPrefetch = 2048;
+// Rows up to this many bytes go R at a time (measured: SmolLM2's 288/768-byte rows +8% decode; Llama-1B's
+// 1024-byte rows -8% when blocked, as 4 side-by-side streams per thread prefetch worse from DRAM).
+constexpr size_t kBlockRowsMaxBytes = 768;
 
 // R consecutive output rows at once (R = 4 for a single x row): their dependency chains interleave and one
 // transposed reduction finishes all four, which matters for short rows (SmolLM2's K = 576 is 9 units).
@@ -127,13 +131,16 @@ static inline void qmv_block(const QmmArgs& a, int n, float* sd) {
     }
   }
   const uint8_t* w0 = a.w + (size_t)n * row_bytes;
+  // The R rows are contiguous and read side by side: prefetch at least one whole block ahead, or the
+  // prefetches of the first rows would land on rows this block is reading already.
+  const size_t pf = std::max<size_t>(kPrefetch, (size_t)R * row_bytes);
   // Two accumulator sets so consecutive units do not wait on each other's FMA.
   int u = 0;
   for (; u + 1 < nfull; u += 2) {
     for (int r = 0; r < R; ++r) {
       const uint8_t* wr = w0 + r * row_bytes + u * unit_bytes;
       // Weights stream from DRAM once per token: one prefetch per cache line, kPrefetch bytes ahead.
-      for (int l = 0; l < 2 * unit_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + l + kPrefetch), _MM_HINT_T0);
+      for (int l = 0; l < 2 * unit_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + l + pf), _MM_HINT_T0);
       unit_dot<MM, BITS, GS>(a, wr, u, sd + r * MM * gp, acc0[r], false);
       unit_dot<MM, BITS, GS>(a, wr + unit_bytes, u + 1, sd + r * MM * gp, acc1[r], false);
     }
@@ -161,7 +168,9 @@ static void qmv_rows(const QmmArgs& a, int n0, int n1) {
   store.resize((size_t)R * MM * a.gpad + 16);
   float* sd = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
   int n = n0;
-  for (; n + R <= n1; n += R) qmv_block<MM, R, BITS, GS>(a, n, sd);
+  // Long rows have little per-row overhead to share, and one stream per thread prefetches best from DRAM.
+  if ((size_t)a.K * BITS / 8 <= kBlockRowsMaxBytes)
+    for (; n + R <= n1; n += R) qmv_block<MM, R, BITS, GS>(a, n, sd);
   for (; n < n1; ++n) qmv_block<MM, 1, BITS, GS>(a, n, sd);
 }
 
