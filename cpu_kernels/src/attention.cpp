@@ -19,8 +19,8 @@ namespace {
 
 class NativeSdpa : public mx::UnaryPrimitive {
  public:
-  NativeSdpa(mx::Stream s, float scale, bool causal, bool heads_last)
-      : mx::UnaryPrimitive(s), scale_(scale), causal_(causal), heads_last_(heads_last) {}
+  NativeSdpa(mx::Stream s, float scale, bool causal, bool heads_last, int kv_len)
+      : mx::UnaryPrimitive(s), scale_(scale), causal_(causal), heads_last_(heads_last), kv_len_(kv_len) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -29,7 +29,8 @@ class NativeSdpa : public mx::UnaryPrimitive {
   const char* name() const override { return "MlxinferSdpa"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const NativeSdpa*>(&other);
-    return o && o->scale_ == scale_ && o->causal_ == causal_ && o->heads_last_ == heads_last_;
+    return o && o->scale_ == scale_ && o->causal_ == causal_ && o->heads_last_ == heads_last_ &&
+           o->kv_len_ == kv_len_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
@@ -39,10 +40,11 @@ class NativeSdpa : public mx::UnaryPrimitive {
   float scale_;
   bool causal_;
   bool heads_last_;
+  int kv_len_;
 };
 
 void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::array& out, float scale,
-              bool causal, bool heads_last) {
+              bool causal, bool heads_last, int kv_len) {
   SdpaArgs a{};
   a.heads_last = heads_last;
   a.B = q.shape(0);
@@ -50,7 +52,7 @@ void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::ar
   a.L = q.shape(2);
   a.D = q.shape(3);
   a.Hkv = k.shape(1);
-  a.S = k.shape(2);
+  a.S = kv_len >= 0 ? kv_len : k.shape(2);
   a.scale = scale;
   a.causal = causal;
   a.q = q.data<float>();
@@ -117,28 +119,31 @@ void NativeSdpa::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   std::vector<mx::array> in;
   for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
   enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_, causal = causal_,
-                heads_last = heads_last_]() mutable {
+                heads_last = heads_last_, kv_len = kv_len_]() mutable {
     // The kernel reads any strides (a KV-cache slice, a transposed q) as long as the last is 1.
     for (auto& a : in)
       if (a.strides().back() != 1) a = row_contiguous_copy(a);
-    run_sdpa(in[0], in[1], in[2], out, scale, causal, heads_last);
+    run_sdpa(in[0], in[1], in[2], out, scale, causal, heads_last, kv_len);
   });
 }
 
 }  // namespace
 
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-               bool heads_last) {
+               bool heads_last, int kv_len) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.sdpa] " + msg); };
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) fail("q, k, v must be 4-D (B, heads, len, dim)");
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) fail("float32 only");
   if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3)) fail("shape mismatch");
   if (k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) fail("query heads must be a multiple of kv heads");
   if (q.shape(3) > 1024) fail("head dim > 1024");
-  if (causal && q.shape(2) > k.shape(2)) fail("causal needs L <= S");
+  if (kv_len > k.shape(2)) fail("kv_len exceeds the keys' length");
+  const int S = kv_len >= 0 ? kv_len : k.shape(2);
+  if (S == 0) fail("no keys");
+  if (causal && q.shape(2) > S) fail("causal needs L <= S");
   const mx::Shape shape = heads_last ? mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)} : q.shape();
   return mx::array(shape, mx::float32,
-                   std::make_shared<NativeSdpa>(mx::to_stream({}, mx::Device::cpu), scale, causal, heads_last),
+                   std::make_shared<NativeSdpa>(mx::to_stream({}, mx::Device::cpu), scale, causal, heads_last, kv_len),
                    {q, k, v});
 }
 

@@ -23,9 +23,11 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.def("swiglu", &mlxinfer_cpu::swiglu, "x"_a, "wg"_a, "sg"_a, "bg"_a, "wu"_a, "su"_a, "bu"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "silu(x @ Wg.T) * (x @ Wu.T) with both weights quantized (one pass over x).");
   m.def("sdpa", &mlxinfer_cpu::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
-        "heads_last"_a = false,
+        "heads_last"_a = false, "kv_len"_a = -1,
         "float32 attention, as mx.fast.scaled_dot_product_attention with mask None or 'causal'; heads_last: "
-        "output (B, L, heads, D).");
+        "output (B, L, heads, D); kv_len >= 0: only the first kv_len keys count.");
+  m.def("kv_append", &mlxinfer_cpu::kv_append, "k_buf"_a, "v_buf"_a, "k"_a, "v"_a, nb::kw_only(), "offset"_a,
+        "Write k/v (B, H, L, D) into the KV-cache buffers at offset; returns the updated [k_buf, v_buf].");
   m.def("rms_norm", &mlxinfer_cpu::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "float32 mx.fast.rms_norm.");
   m.def("rope", &mlxinfer_cpu::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,

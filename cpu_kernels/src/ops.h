@@ -21,8 +21,9 @@ mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, c
 // mx.fast.scaled_dot_product_attention for float32 q (B, Hq, L, D), k/v (B, Hkv, S, D), no mask or a
 // causal one (aligned to the end of the keys). Runs on the CPU stream. heads_last: the output is
 // (B, L, Hq, D) instead of (B, Hq, L, D) (what an o_proj takes after a reshape, without a transpose copy).
+// kv_len >= 0: only the first kv_len keys/values count (k/v may be whole KV-cache buffers).
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-               bool heads_last = false);
+               bool heads_last = false, int kv_len = -1);
 
 // mx.fast.rms_norm(x, weight, eps) for float32.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
@@ -34,6 +35,11 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
 // scales/biases). Out-of-range ids give zero rows.
 mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits);
+
+// KV-cache append: writes k/v (B, H, L, D) at [offset, offset + L) of the (B, H, capacity, D) buffers and returns
+// the updated buffers (in place when the inputs are not referenced elsewhere).
+std::vector<mx::array> kv_append(const mx::array& k_buf, const mx::array& v_buf, const mx::array& k,
+                                 const mx::array& v, int offset);
 
 // An attention block's input side: x (B, L, hidden) float32 times the quantized q/k/v projections (each
 // (w, scales, biases), float32 scales), split into heads and RoPE'd (first rope_dims of each head; 0 = none) at

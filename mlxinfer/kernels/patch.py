@@ -236,18 +236,45 @@ def _attention_call(base: type) -> Callable:
         if out is None:
             return base.__call__(self, x, mask, cache)
         queries, keys, values = out  # (B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim) x 2, RoPE'd
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
         B, L, _ = x.shape
+        kv_len = -1
+        if cache is not None:
+            appended = _append_kv(self._kernel_provider, cache, keys, values)
+            if appended is None:
+                keys, values = cache.update_and_fetch(keys, values)
+            else:
+                keys, values, kv_len = appended  # whole buffers; the first kv_len positions are valid
         # Attention straight into (B, L, n_heads, head_dim) saves the transpose copy before o_proj.
-        output = self._kernel_provider.sdpa(queries, keys, values, scale=self.scale, mask=mask, heads_last=True)
+        output = self._kernel_provider.sdpa(queries, keys, values, scale=self.scale, mask=mask, heads_last=True,
+                                            kv_len=kv_len)
         if output is None:
+            if kv_len >= 0:
+                keys, values = keys[..., :kv_len, :], values[..., :kv_len, :]
             # The module's (possibly swapped) attention function, looked up as the original code does.
             sdpa = sys.modules[base.__module__].scaled_dot_product_attention
             output = sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
         return self.o_proj(output.reshape(B, L, -1))
 
     return __call__
+
+
+def _append_kv(provider: KernelProvider, cache, keys, values):
+    """mlx-lm's ``KVCache.update_and_fetch`` as one provider op (4 MLX ops otherwise) when the cache is a plain
+    ``KVCache`` whose buffers have room: (k_buf, v_buf, valid length), or None to let the cache do it."""
+    from mlx_lm.models.cache import KVCache
+
+    fn = getattr(provider, "kv_append", None)
+    if fn is None or type(cache) is not KVCache or cache.keys is None:
+        return None
+    prev, n = cache.offset, keys.shape[2]
+    if not isinstance(prev, int) or prev + n > cache.keys.shape[2]:
+        return None  # mlx-lm grows the buffers
+    out = fn(cache.keys, cache.values, keys, values, prev)
+    if out is None:
+        return None
+    cache.keys, cache.values = out
+    cache.offset = prev + n
+    return out[0], out[1], cache.offset
 
 
 def _is_plain_attention(m: nn.Module) -> bool:

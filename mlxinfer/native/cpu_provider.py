@@ -91,13 +91,24 @@ class NativeCpuProvider:
         except _REJECTED:
             return None
 
-    def sdpa(self, q, k, v, *, scale: float, mask, heads_last: bool = False) -> Optional[mx.array]:
+    def sdpa(self, q, k, v, *, scale: float, mask, heads_last: bool = False,
+             kv_len: int = -1) -> Optional[mx.array]:
         """float32 attention with no mask or a causal one (array masks go to the built-in). q (B, n_heads, L, D),
-        k/v (B, n_kv_heads, S, D) -> (B, n_heads, L, D), or (B, L, n_heads, D) with ``heads_last``."""
+        k/v (B, n_kv_heads, S, D) -> (B, n_heads, L, D), or (B, L, n_heads, D) with ``heads_last``; with
+        ``kv_len`` >= 0 only the first kv_len of the S keys count (k/v may be whole KV-cache buffers)."""
         if mask is not None and not (isinstance(mask, str) and mask == "causal"):
             return None
         try:
             return self._ext.sdpa(q, k, v, scale=float(scale), causal=mask is not None and q.shape[2] > 1,
-                                  heads_last=heads_last)
+                                  heads_last=heads_last, kv_len=kv_len)
+        except _REJECTED:
+            return None
+
+    def kv_append(self, k_buf, v_buf, k, v, offset: int):
+        """mlx-lm ``KVCache.update_and_fetch`` when the buffers have room: k/v (B, H, L, D) written at
+        ``offset`` of the (B, H, capacity, D) buffers in one op (in place when nothing else holds them).
+        Returns the new (k_buf, v_buf) or None."""
+        try:
+            return tuple(self._ext.kv_append(k_buf, v_buf, k, v, offset=offset))
         except _REJECTED:
             return None

@@ -1,0 +1,85 @@
+// The KvAppend primitive: write this step's keys/values into the preallocated KV-cache buffers. mlx-lm's
+// KVCache.update_and_fetch spends 4 MLX ops per layer and step on it (two slice updates, two slices); this is two
+// (keys, values), and the attention then reads the buffers up to the valid length (sdpa's kv_len), not slices.
+// Like MLX's own SliceUpdate, the outputs take over the input buffers when nothing else references them, so the
+// cache is updated in place; otherwise the buffers are copied first.
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "dispatch.h"
+#include "ops.h"
+
+namespace mlxinfer_cpu {
+
+namespace {
+
+// One buffer (keys or values) per op: a multi-output primitive would hold its inputs once per output, and an
+// input referenced twice is never donatable.
+class NativeKvWrite : public mx::UnaryPrimitive {
+ public:
+  NativeKvWrite(mx::Stream s, int offset) : mx::UnaryPrimitive(s), offset_(offset) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    const auto& buf = inputs[0];
+    const bool copy = !(buf.is_donatable() && buf.flags().row_contiguous && buf.data_size() == buf.size());
+    if (copy) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    } else {
+      out.copy_shared_buffer(buf);
+    }
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([buf = mx::array::unsafe_weak_copy(inputs[0]), upd = mx::array::unsafe_weak_copy(inputs[1]),
+                  out = mx::array::unsafe_weak_copy(out), copy, offset = offset_]() mutable {
+      if (copy) {
+        if (!buf.flags().row_contiguous) buf = row_contiguous_copy(buf);
+        std::memcpy(out.data<float>(), buf.data<float>(), out.nbytes());
+      }
+      if (!upd.flags().row_contiguous) upd = row_contiguous_copy(upd);
+      // upd (B, H, L, D) -> out[b, h, offset:offset + L, :] of (B, H, capacity, D)
+      const int B = upd.shape(0), H = upd.shape(1), L = upd.shape(2), D = upd.shape(3), cap = out.shape(2);
+      const float* src = upd.data<float>();
+      float* dst = out.data<float>();
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < H; ++h)
+          std::memcpy(dst + (((size_t)b * H + h) * cap + offset) * D, src + ((size_t)b * H + h) * L * D,
+                      sizeof(float) * L * D);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[mlxinfer_cpu] kv_append runs on the CPU stream only");
+  }
+  const char* name() const override { return "MlxinferKvWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const NativeKvWrite*>(&other);
+    return o && o->offset_ == offset_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int offset_;
+};
+
+}  // namespace
+
+std::vector<mx::array> kv_append(const mx::array& k_buf, const mx::array& v_buf, const mx::array& k,
+                                 const mx::array& v, int offset) {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.kv_append] " + msg); };
+  for (const auto* a : {&k_buf, &v_buf, &k, &v})
+    if (a->ndim() != 4 || a->dtype() != mx::float32) fail("float32 4-D (B, heads, len, dim) arrays expected");
+  for (int d : {0, 1, 3})
+    if (k.shape(d) != k_buf.shape(d) || v.shape(d) != v_buf.shape(d)) fail("new keys/values do not match the cache");
+  if (k.shape(2) != v.shape(2) || k_buf.shape(2) != v_buf.shape(2)) fail("keys and values differ in length");
+  if (offset < 0 || offset + k.shape(2) > k_buf.shape(2)) fail("no room in the cache buffer at this offset");
+  const auto s = mx::to_stream({}, mx::Device::cpu);
+  return {mx::array(k_buf.shape(), mx::float32, std::make_shared<NativeKvWrite>(s, offset), {k_buf, k}),
+          mx::array(v_buf.shape(), mx::float32, std::make_shared<NativeKvWrite>(s, offset), {v_buf, v})};
+}
+
+}  // namespace mlxinfer_cpu
