@@ -141,7 +141,8 @@ mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float
   const int S = kv_len >= 0 ? kv_len : k.shape(2);
   if (S == 0) fail("no keys");
   if (causal && q.shape(2) > S) fail("causal needs L <= S");
-  const mx::Shape shape = heads_last ? mx::Shape{q.shape(0), q.shape(2), q.shape(1), q.shape(3)} : q.shape();
+  // heads_last: (B, L, Hq * D), the layout o_proj takes (rows of (B, L, Hq, D) are the same memory).
+  const mx::Shape shape = heads_last ? mx::Shape{q.shape(0), q.shape(2), q.shape(1) * q.shape(3)} : q.shape();
   return mx::array(shape, mx::float32,
                    std::make_shared<NativeSdpa>(mx::to_stream({}, mx::Device::cpu), scale, causal, heads_last, kv_len),
                    {q, k, v});

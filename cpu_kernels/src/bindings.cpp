@@ -25,7 +25,7 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.def("sdpa", &mlxinfer_cpu::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
         "heads_last"_a = false, "kv_len"_a = -1,
         "float32 attention, as mx.fast.scaled_dot_product_attention with mask None or 'causal'; heads_last: "
-        "output (B, L, heads, D); kv_len >= 0: only the first kv_len keys count.");
+        "output (B, L, heads * D); kv_len >= 0: only the first kv_len keys count.");
   m.def("kv_append", &mlxinfer_cpu::kv_append, "k_buf"_a, "v_buf"_a, "k"_a, "v"_a, nb::kw_only(), "offset"_a,
         "Write k/v (B, H, L, D) into the KV-cache buffers at offset; returns the updated [k_buf, v_buf].");
   m.def("rms_norm", &mlxinfer_cpu::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,

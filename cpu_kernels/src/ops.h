@@ -20,7 +20,7 @@ mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, c
 
 // mx.fast.scaled_dot_product_attention for float32 q (B, Hq, L, D), k/v (B, Hkv, S, D), no mask or a
 // causal one (aligned to the end of the keys). Runs on the CPU stream. heads_last: the output is
-// (B, L, Hq, D) instead of (B, Hq, L, D) (what an o_proj takes after a reshape, without a transpose copy).
+// (B, L, Hq * D) instead of (B, Hq, L, D) (what an o_proj takes, without a transpose copy).
 // kv_len >= 0: only the first kv_len keys/values count (k/v may be whole KV-cache buffers).
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
                bool heads_last = false, int kv_len = -1);

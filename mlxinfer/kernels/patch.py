@@ -252,8 +252,9 @@ def _attention_call(base: type) -> Callable:
                 keys, values = keys[..., :kv_len, :], values[..., :kv_len, :]
             # The module's (possibly swapped) attention function, looked up as the original code does.
             sdpa = sys.modules[base.__module__].scaled_dot_product_attention
-            output = sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask).transpose(0, 2, 1, 3)
-        return self.o_proj(output.reshape(B, L, -1))
+            output = sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+            output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(output)  # (B, L, n_heads * head_dim)
 
     return __call__
 

@@ -94,7 +94,7 @@ class NativeCpuProvider:
     def sdpa(self, q, k, v, *, scale: float, mask, heads_last: bool = False,
              kv_len: int = -1) -> Optional[mx.array]:
         """float32 attention with no mask or a causal one (array masks go to the built-in). q (B, n_heads, L, D),
-        k/v (B, n_kv_heads, S, D) -> (B, n_heads, L, D), or (B, L, n_heads, D) with ``heads_last``; with
+        k/v (B, n_kv_heads, S, D) -> (B, n_heads, L, D), or (B, L, n_heads * D) with ``heads_last``; with
         ``kv_len`` >= 0 only the first kv_len of the S keys count (k/v may be whole KV-cache buffers)."""
         if mask is not None and not (isinstance(mask, str) and mask == "causal"):
             return None
