@@ -2,6 +2,7 @@
 // (shared NB_DOMAIN mlx) and loads libmlx.so.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
@@ -18,8 +19,8 @@ using namespace nb::literals;
 NB_MODULE(_mlxinfer_cpu, m) {
   m.doc() = "mlxinfer native CPU kernels (MLX custom primitives)";
   m.def("quantized_matmul", &mlxinfer_cpu::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        nb::kw_only(), "group_size"_a, "bits"_a,
-        "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True).");
+        nb::kw_only(), "group_size"_a, "bits"_a, "residual"_a = nb::none(),
+        "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True), + residual if given.");
   m.def("swiglu", &mlxinfer_cpu::swiglu, "x"_a, "wg"_a, "sg"_a, "bg"_a, "wu"_a, "su"_a, "bu"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "silu(x @ Wg.T) * (x @ Wu.T) with both weights quantized (one pass over x).");
   m.def("sdpa", &mlxinfer_cpu::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,

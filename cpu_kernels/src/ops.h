@@ -1,5 +1,6 @@
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "mlx/array.h"
@@ -10,9 +11,11 @@ namespace mx = mlx::core;
 namespace mlxinfer_cpu {
 
 // Same result as mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)
-// (affine mode): x (..., K) times the quantized (N, K) weight -> (..., N). Runs on the CPU stream.
+// (affine mode): x (..., K) times the quantized (N, K) weight -> (..., N), plus `residual` (float32, the output's
+// shape) when given. Runs on the CPU stream.
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits);
+                           const mx::array& biases, int group_size, int bits,
+                           const std::optional<mx::array>& residual = std::nullopt);
 
 // silu(x @ dequant(wg).T) * (x @ dequant(wu).T), both weights quantized like quantized_matmul's.
 mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, const mx::array& bg,

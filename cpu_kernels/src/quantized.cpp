@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -190,6 +191,11 @@ void NativeQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::a
   const int gs = group_size_, bits = bits_;
   dispatch_contiguous(stream(), inputs, out, [gs, bits](std::vector<mx::array>& in, mx::array& o) {
     run_qmm(in[0], in[1], in[2], in[3], o, gs, bits);
+    if (in.size() == 5) {  // + residual (float32, the output's shape): a transformer block's skip connection
+      float* y = o.data<float>();
+      const float* r = in[4].data<float>();
+      for (size_t i = 0; i < o.size(); ++i) y[i] += r[i];
+    }
   });
 }
 
@@ -312,13 +318,20 @@ int check_quantized_weight(const mx::array& x, const mx::array& w, const mx::arr
 
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits) {
+                           const mx::array& biases, int group_size, int bits, const std::optional<mx::array>& residual) {
   const int N = check_quantized_weight(x, w, scales, biases, group_size, bits, "quantized_matmul");
   mx::Shape shape = x.shape();
   shape.back() = N;
-  return mx::array(shape, mx::promote_types(x.dtype(), scales.dtype()),
+  const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
+  std::vector<mx::array> inputs = {x, w, scales, biases};
+  if (residual) {
+    if (dtype != mx::float32 || residual->dtype() != mx::float32 || residual->shape() != shape)
+      throw std::invalid_argument("[mlxinfer_cpu.quantized_matmul] residual must be float32 with the output's shape");
+    inputs.push_back(*residual);
+  }
+  return mx::array(shape, dtype,
                    std::make_shared<NativeQuantizedMatmul>(mx::to_stream({}, mx::Device::cpu), group_size, bits),
-                   {x, w, scales, biases});
+                   std::move(inputs));
 }
 
 mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, const mx::array& bg,

@@ -94,6 +94,7 @@ def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
     n_mlp = _swap_mlps(model, provider)
     routed = _swap_small_ops(model, provider)
     routed["fused q/k/v+RoPE attention inputs"] = _swap_attention_inputs(model, provider)
+    routed["blocks with fused skip connections"] = _swap_blocks(model, provider)
     modules = _swap_attention(model, provider)
     extra = "".join(f", {n} {what}" for what, n in routed.items() if n)
     detail = (
@@ -135,6 +136,27 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+    def add_to(self, x, residual):
+        """``self(x) + residual`` as one op where the provider takes a residual (the skip connections)."""
+        if "bias" not in self:
+            try:
+                y = self._kernel_provider.quantized_matmul(
+                    x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                    bits=self.bits, mode=self.mode, residual=residual,
+                )
+            except TypeError:  # a provider without the residual argument
+                y = None
+            if y is not None:
+                return y
+        return self(x) + residual
+
+
+def _linear_add(layer: nn.Module, x, residual):
+    """``layer(x)``, plus ``residual`` when given (fused when the layer is a KernelQuantizedLinear)."""
+    if residual is None:
+        return layer(x)
+    return layer.add_to(x, residual) if isinstance(layer, KernelQuantizedLinear) else layer(x) + residual
 
 
 def _swap_linears(model: nn.Module, provider: KernelProvider) -> int:
@@ -191,15 +213,16 @@ def _plain_quantized(layers: list) -> bool:
 
 
 def _swiglu_call(base: type) -> Callable:
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         g, u = self.gate_proj, self.up_proj
         h = self._kernel_provider.swiglu(
             x, (g["weight"], g["scales"], g.get("biases")), (u["weight"], u["scales"], u.get("biases")),
             group_size=g.group_size, bits=g.bits,
         )
         if h is None:
-            return base.__call__(self, x)
-        return self.down_proj(h)
+            y = base.__call__(self, x)
+            return y if residual is None else y + residual
+        return _linear_add(self.down_proj, h, residual)
 
     return __call__
 
@@ -224,7 +247,7 @@ def _llama_attention_source() -> str:
 
 
 def _attention_call(base: type) -> Callable:
-    def __call__(self, x, mask=None, cache=None):
+    def __call__(self, x, mask=None, cache=None, residual=None):
         offset = 0 if cache is None else cache.offset
         q, k, v, rope = self.q_proj, self.k_proj, self.v_proj, self.rope
         out = self._kernel_provider.qkv_rope(
@@ -234,7 +257,8 @@ def _attention_call(base: type) -> Callable:
             traditional=rope.traditional, base=rope.base, scale=rope.scale, offset=offset,
         )
         if out is None:
-            return base.__call__(self, x, mask, cache)
+            y = base.__call__(self, x, mask, cache)
+            return y if residual is None else y + residual
         queries, keys, values = out  # (B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim) x 2, RoPE'd
         B, L, _ = x.shape
         kv_len = -1
@@ -254,7 +278,7 @@ def _attention_call(base: type) -> Callable:
             sdpa = sys.modules[base.__module__].scaled_dot_product_attention
             output = sdpa(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
             output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(output)  # (B, L, n_heads * head_dim)
+        return _linear_add(self.o_proj, output, residual)  # (B, L, n_heads * head_dim) -> (B, L, hidden)
 
     return __call__
 
@@ -289,6 +313,35 @@ def _is_plain_attention(m: nn.Module) -> bool:
 
 def _swap_attention_inputs(model: nn.Module, provider: KernelProvider) -> int:
     return _swap_fused(model, provider, "qkv_rope", "attention", _is_plain_attention, _attention_call)
+
+
+# Decoder blocks whose ``__call__`` is exactly mlx-lm llama's (x + attn(norm(x)), then h + mlp(norm(h))) and whose
+# attention and MLP are the fused ones above: the skip connections go into o_proj and down_proj as a residual
+# input (two MLX adds per layer and token fewer).
+def _llama_block_source() -> str:
+    from mlx_lm.models import llama
+
+    return inspect.getsource(llama.TransformerBlock.__call__)
+
+
+def _block_call(base: type) -> Callable:
+    def __call__(self, x, mask=None, cache=None):
+        h = self.self_attn(self.input_layernorm(x), mask, cache, residual=x)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
+
+    return __call__
+
+
+def _is_plain_block(m: nn.Module) -> bool:
+    fused = lambda sub, kind: type(sub) is _FUSED_CLASSES.get((kind, getattr(type(sub), "_fused_base", None)))  # noqa: E731
+    return (
+        fused(getattr(m, "self_attn", None), "attention") and fused(getattr(m, "mlp", None), "swiglu")
+        and _unfused_source(m) == _llama_block_source()
+    )
+
+
+def _swap_blocks(model: nn.Module, provider: KernelProvider) -> int:
+    return _swap_fused(model, provider, "quantized_matmul", "block", _is_plain_block, _block_call)
 
 
 # Small per-token ops that are a large share of decode time on the CPU backend, where MLX dispatch per op is

@@ -22,13 +22,15 @@ class NativeCpuProvider:
     def __init__(self, ext: ModuleType):
         self._ext = ext
 
-    def quantized_matmul(self, x, w, scales, biases, *, group_size: int, bits: int,
-                         mode: str = "affine") -> Optional[mx.array]:
-        # MLX's affine 4/8-bit format, groups 32/64/128, float x/scales: (..., K) x (N, K)^T -> (..., N)
+    def quantized_matmul(self, x, w, scales, biases, *, group_size: int, bits: int, mode: str = "affine",
+                         residual: Optional[mx.array] = None) -> Optional[mx.array]:
+        # MLX's affine 4/8-bit format, groups 32/64/128, float x/scales: (..., K) x (N, K)^T -> (..., N),
+        # + residual (float32, the output's shape: a skip connection) when given.
         if mode != "affine" or biases is None:
             return None
         try:
-            return self._ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+            return self._ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits,
+                                              residual=residual)
         except _REJECTED:
             return None
 

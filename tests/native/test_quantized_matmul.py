@@ -211,3 +211,17 @@ def test_provider_declines_what_the_kernels_do_not_cover(native_ext):
     assert p.sdpa(x.astype(mx.float16), x, x, scale=1.0, mask=None) is None
     assert p.rope(x, 32, traditional=False, base=10000.0, scale=1.0, offset=0, freqs=mx.ones((16,))) is None
     assert p.rms_norm(x, mx.ones((31,)), 1e-5) is None
+
+
+def test_residual_input(native_ext):
+    """out = x @ w.T + residual in one op (a transformer block's skip connection); mismatches are rejected."""
+    from mlxinfer import native
+
+    q, s, b = mx.quantize(mx.random.normal((96, 256)), group_size=64, bits=4)
+    for M in (1, 3, 17):
+        x, r = mx.random.normal((1, M, 256)), mx.random.normal((1, M, 96))
+        got = native_ext.quantized_matmul(x, q, s, b, group_size=64, bits=4, residual=r)
+        assert mx.array_equal(got, native_ext.quantized_matmul(x, q, s, b, group_size=64, bits=4) + r).item()
+    with pytest.raises(ValueError, match="residual"):
+        native_ext.quantized_matmul(x, q, s, b, group_size=64, bits=4, residual=r[:, :1])
+    assert native.provider().quantized_matmul(x, q, s, b, group_size=64, bits=4, residual=r[..., :5]) is None
