@@ -169,6 +169,8 @@ def main() -> int:
                     help="a Python with llama-cpp-python installed (skipped when missing)")
     ap.add_argument("--llama-1b", action="store_true",
                     help="random Llama-3.2-1B-shaped 4-bit model instead (native only: built-ins take minutes)")
+    ap.add_argument("--engines", default="llama.cpp,builtin,native",
+                    help="comma-separated subset of llama.cpp,builtin,native (bundled model only)")
     ap.add_argument("--ops", action="store_true", help="single-op table (matmul, attention) instead of models")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -194,8 +196,8 @@ def main() -> int:
         model, per_token = loaded.model, None
         text = "Once upon a time, in a kingdom by the sea, there lived a curious young inventor. " * 40
         prompt = loaded.tokenizer.encode(text)[: args.prompt_tokens]
-        engines = ["llama.cpp", "builtin", "native"]
-        if not Path(args.llama_python).exists():
+        engines = [e for e in ("llama.cpp", "builtin", "native") if e in args.engines.split(",")]
+        if "llama.cpp" in engines and not Path(args.llama_python).exists():
             engines.remove("llama.cpp")
 
     bw_before = read_bandwidth(args.threads) if per_token else 0.0
