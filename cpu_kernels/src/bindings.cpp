@@ -22,7 +22,9 @@ NB_MODULE(_mlxinfer_cpu, m) {
         nb::kw_only(), "group_size"_a, "bits"_a, "residual"_a = nb::none(),
         "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True), + residual if given.");
   m.def("swiglu", &mlxinfer_cpu::swiglu, "x"_a, "wg"_a, "sg"_a, "bg"_a, "wu"_a, "su"_a, "bu"_a, nb::kw_only(),
-        "group_size"_a, "bits"_a, "silu(x @ Wg.T) * (x @ Wu.T) with both weights quantized (one pass over x).");
+        "group_size"_a, "bits"_a, "norm_weight"_a = nb::none(), "norm_eps"_a = 0.f,
+        "silu(x @ Wg.T) * (x @ Wu.T) with both weights quantized (one pass over x); x RMS-normalised first if "
+        "norm_weight is given.");
   m.def("sdpa", &mlxinfer_cpu::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
         "heads_last"_a = false, "kv_len"_a = -1,
         "float32 attention, as mx.fast.scaled_dot_product_attention with mask None or 'causal'; heads_last: "
@@ -37,6 +39,7 @@ NB_MODULE(_mlxinfer_cpu, m) {
         nb::kw_only(), "group_size"_a, "bits"_a, "nn.QuantizedEmbedding lookup: ids -> dequantized float32 rows.");
   m.def("qkv_rope", &mlxinfer_cpu::qkv_rope, "x"_a, "wq"_a, "wk"_a, "wv"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
+        "norm_weight"_a = nb::none(), "norm_eps"_a = 0.f,
         "q, k, v projections + head split + RoPE in one op: returns [q (B, Hq, L, D), k, v (B, Hkv, L, D)].");
   m.def("set_num_threads", [](int n) { mlxinfer_cpu::SpinPool::get().set_size(n); }, "n"_a);
   m.def("num_threads", [] { return mlxinfer_cpu::SpinPool::get().size(); });

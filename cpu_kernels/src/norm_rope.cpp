@@ -13,6 +13,24 @@
 
 namespace mlxinfer_cpu {
 
+void rms_norm_rows(const float* x, const float* w, float* y, size_t rows, int D, float eps) {
+  for (size_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float ss = 0.f;
+    for (int d = 0; d < D; ++d) ss += xr[d] * xr[d];
+    const float inv = 1.f / std::sqrt(ss / D + eps);
+    for (int d = 0; d < D; ++d) y[r * D + d] = w[d] * (xr[d] * inv);
+  }
+}
+
+mx::array rms_normed(const mx::array& x, const mx::array& w, float eps) {
+  mx::array y(x.shape(), mx::float32, nullptr, {});
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+  const int D = x.shape(-1);
+  rms_norm_rows(x.data<float>(), w.data<float>(), y.data<float>(), x.size() / D, D, eps);
+  return y;
+}
+
 namespace {
 
 class NativeRmsNorm : public mx::UnaryPrimitive {
@@ -22,17 +40,7 @@ class NativeRmsNorm : public mx::UnaryPrimitive {
     const float eps = eps_;
     dispatch_contiguous(stream(), inputs, out, [eps](std::vector<mx::array>& in, mx::array& o) {
       const int D = in[0].shape(-1);
-      const size_t rows = in[0].size() / D;
-      const float* x = in[0].data<float>();
-      const float* w = in[1].data<float>();
-      float* y = o.data<float>();
-      for (size_t r = 0; r < rows; ++r) {
-        const float* xr = x + r * D;
-        float ss = 0.f;
-        for (int d = 0; d < D; ++d) ss += xr[d] * xr[d];
-        const float inv = 1.f / std::sqrt(ss / D + eps);
-        for (int d = 0; d < D; ++d) y[r * D + d] = w[d] * (xr[d] * inv);
-      }
+      rms_norm_rows(in[0].data<float>(), in[1].data<float>(), o.data<float>(), in[0].size() / D, D, eps);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {

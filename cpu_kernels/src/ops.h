@@ -18,8 +18,10 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                            const std::optional<mx::array>& residual = std::nullopt);
 
 // silu(x @ dequant(wg).T) * (x @ dequant(wu).T), both weights quantized like quantized_matmul's.
+// With norm_weight, x is RMS-normalised first (the block's post_attention_layernorm).
 mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, const mx::array& bg,
-                 const mx::array& wu, const mx::array& su, const mx::array& bu, int group_size, int bits);
+                 const mx::array& wu, const mx::array& su, const mx::array& bu, int group_size, int bits,
+                 const std::optional<mx::array>& norm_weight = std::nullopt, float norm_eps = 0.f);
 
 // mx.fast.scaled_dot_product_attention for float32 q (B, Hq, L, D), k/v (B, Hkv, S, D), no mask or a
 // causal one (aligned to the end of the keys). Runs on the CPU stream. heads_last: the output is
@@ -46,10 +48,12 @@ std::vector<mx::array> kv_append(const mx::array& k_buf, const mx::array& v_buf,
 
 // An attention block's input side: x (B, L, hidden) float32 times the quantized q/k/v projections (each
 // (w, scales, biases), float32 scales), split into heads and RoPE'd (first rope_dims of each head; 0 = none) at
-// positions offset + l. Returns q (B, n_heads, L, head_dim), k and v (B, n_kv_heads, L, head_dim).
+// positions offset + l. Returns q (B, n_heads, L, head_dim), k and v (B, n_kv_heads, L, head_dim). With
+// norm_weight, x is RMS-normalised first (the block's input_layernorm).
 std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>& wq, const std::vector<mx::array>& wk,
                                 const std::vector<mx::array>& wv, int group_size, int bits, int n_heads,
                                 int n_kv_heads, int head_dim, int rope_dims, bool traditional, float base, float scale,
-                                int offset);
+                                int offset, const std::optional<mx::array>& norm_weight = std::nullopt,
+                                float norm_eps = 0.f);
 
 }  // namespace mlxinfer_cpu

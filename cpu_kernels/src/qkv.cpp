@@ -3,6 +3,7 @@
 // (11 MLX ops at several microseconds of dispatch each, and the k/v matvecs are too small to share the pool);
 // this is one op whose three matvecs run as one pool job.
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -27,9 +28,9 @@ struct RopeSpec {
 class NativeQkvRope : public mx::Primitive {
  public:
   NativeQkvRope(mx::Stream s, int group_size, int bits, int n_heads, int n_kv_heads, int head_dim, RopeSpec rope,
-                int offset)
+                int offset, float norm_eps)
       : mx::Primitive(s), gs_(group_size), bits_(bits), hq_(n_heads), hkv_(n_kv_heads), d_(head_dim), rope_(rope),
-        offset_(offset) {}
+        offset_(offset), norm_eps_(norm_eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -40,7 +41,7 @@ class NativeQkvRope : public mx::Primitive {
     auto* o = dynamic_cast<const NativeQkvRope*>(&other);
     return o && o->gs_ == gs_ && o->bits_ == bits_ && o->hq_ == hq_ && o->hkv_ == hkv_ && o->d_ == d_ &&
            o->rope_.dims == rope_.dims && o->rope_.traditional == rope_.traditional && o->rope_.base == rope_.base &&
-           o->rope_.scale == rope_.scale && o->offset_ == offset_;
+           o->rope_.scale == rope_.scale && o->offset_ == offset_ && o->norm_eps_ == norm_eps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const int B = inputs[0].shape(0), L = inputs[0].shape(1);
@@ -51,6 +52,7 @@ class NativeQkvRope : public mx::Primitive {
   int gs_, bits_, hq_, hkv_, d_;
   RopeSpec rope_;
   int offset_;
+  float norm_eps_;  // with an 11th input (an RMSNorm weight): x is normalised first
 };
 
 // flat (B*L, H*D) row-major -> out (B, H, L, D), rotating the first `dims` of each head at position offset + l
@@ -91,7 +93,7 @@ void NativeQkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
   for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
   for (const auto& o : outputs) out.push_back(mx::array::unsafe_weak_copy(o));
   enc.dispatch([in = std::move(in), out = std::move(out), gs = gs_, bits = bits_, hq = hq_, hkv = hkv_, d = d_,
-                rope = rope_, offset = offset_]() mutable {
+                rope = rope_, offset = offset_, eps = norm_eps_]() mutable {
     for (auto& a : in)
       if (!a.flags().row_contiguous) a = row_contiguous_copy(a);
     const int B = in[0].shape(0), L = in[0].shape(1);
@@ -100,7 +102,8 @@ void NativeQkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
     fq.resize(rows * hq * d);
     fk.resize(rows * hkv * d);
     fv.resize(rows * hkv * d);
-    qmm_float(in[0], {{&in[1], &in[2], &in[3], fq.data()}, {&in[4], &in[5], &in[6], fk.data()},
+    const mx::array x = in.size() == 11 ? rms_normed(in[0], in[10], eps) : in[0];
+    qmm_float(x, {{&in[1], &in[2], &in[3], fq.data()}, {&in[4], &in[5], &in[6], fk.data()},
                       {&in[7], &in[8], &in[9], fv.data()}},
               gs, bits);
     scatter_heads(fq.data(), out[0].data<float>(), B, L, hq, d, rope, offset);
@@ -114,7 +117,7 @@ void NativeQkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
 std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>& wq, const std::vector<mx::array>& wk,
                                 const std::vector<mx::array>& wv, int group_size, int bits, int n_heads,
                                 int n_kv_heads, int head_dim, int rope_dims, bool traditional, float base, float scale,
-                                int offset) {
+                                int offset, const std::optional<mx::array>& norm_weight, float norm_eps) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.qkv_rope] " + msg); };
   if (wq.size() != 3 || wk.size() != 3 || wv.size() != 3) fail("each projection is (w, scales, biases)");
   if (x.ndim() != 3 || x.dtype() != mx::float32) fail("x must be float32 (B, L, hidden)");
@@ -128,13 +131,18 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>
       fail("projection output size does not match heads * head_dim");
     if (w[1].dtype() != mx::float32) fail("float32 scales and biases only");
   }
+  std::vector<mx::array> inputs = {x, wq[0], wq[1], wq[2], wk[0], wk[1], wk[2], wv[0], wv[1], wv[2]};
+  if (norm_weight) {
+    if (norm_weight->dtype() != mx::float32 || norm_weight->ndim() != 1 || norm_weight->shape(0) != x.shape(2))
+      fail("norm weight must be float32 (hidden,)");
+    inputs.push_back(*norm_weight);
+  }
   const int B = x.shape(0), L = x.shape(1);
   auto prim = std::make_shared<NativeQkvRope>(mx::to_stream({}, mx::Device::cpu), group_size, bits, n_heads,
                                               n_kv_heads, head_dim, RopeSpec{rope_dims, traditional, base, scale},
-                                              offset);
+                                              offset, norm_eps);
   return mx::array::make_arrays({{B, n_heads, L, head_dim}, {B, n_kv_heads, L, head_dim}, {B, n_kv_heads, L, head_dim}},
-                                {mx::float32, mx::float32, mx::float32}, prim,
-                                {x, wq[0], wq[1], wq[2], wk[0], wk[1], wk[2], wv[0], wv[1], wv[2]});
+                                {mx::float32, mx::float32, mx::float32}, prim, std::move(inputs));
 }
 
 }  // namespace mlxinfer_cpu

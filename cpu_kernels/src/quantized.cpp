@@ -144,11 +144,12 @@ void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
 }
 
 // silu(x @ Wg.T) * (x @ Wu.T): both matvecs in one pool job, then the gate in the same pass.
-void run_swiglu(const std::vector<mx::array>& in, mx::array& out, int group_size, int bits) {
+void run_swiglu(const std::vector<mx::array>& in, mx::array& out, int group_size, int bits, float eps) {
   thread_local std::vector<float> gbuf, ubuf;
   gbuf.resize(out.size());
   ubuf.resize(out.size());
-  qmm_float(in[0], {{&in[1], &in[2], &in[3], gbuf.data()}, {&in[4], &in[5], &in[6], ubuf.data()}}, group_size,
+  const mx::array x = in.size() == 8 ? rms_normed(in[0], in[7], eps) : in[0];
+  qmm_float(x, {{&in[1], &in[2], &in[3], gbuf.data()}, {&in[4], &in[5], &in[6], ubuf.data()}}, group_size,
             bits);
   // The gate in place (vectorised exp), then one rounding into out's dtype.
   select_kernels().silu_mul(gbuf.data(), ubuf.data(), gbuf.data(), out.size());
@@ -158,8 +159,8 @@ void run_swiglu(const std::vector<mx::array>& in, mx::array& out, int group_size
 
 class NativeSwiglu : public mx::UnaryPrimitive {
  public:
-  NativeSwiglu(mx::Stream s, int group_size, int bits)
-      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+  NativeSwiglu(mx::Stream s, int group_size, int bits, float norm_eps)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits), norm_eps_(norm_eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -168,7 +169,7 @@ class NativeSwiglu : public mx::UnaryPrimitive {
   const char* name() const override { return "MlxinferSwiglu"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const NativeSwiglu*>(&other);
-    return o && o->group_size_ == group_size_ && o->bits_ == bits_;
+    return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->norm_eps_ == norm_eps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape s = inputs[0].shape();
@@ -179,12 +180,14 @@ class NativeSwiglu : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
+  float norm_eps_;  // with an 8th input (an RMSNorm weight): x is normalised first
 };
 
 void NativeSwiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int gs = group_size_, bits = bits_;
+  const float eps = norm_eps_;
   dispatch_contiguous(stream(), inputs, out,
-                      [gs, bits](std::vector<mx::array>& in, mx::array& o) { run_swiglu(in, o, gs, bits); });
+                      [gs, bits, eps](std::vector<mx::array>& in, mx::array& o) { run_swiglu(in, o, gs, bits, eps); });
 }
 
 void NativeQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -335,15 +338,23 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 }
 
 mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, const mx::array& bg,
-                 const mx::array& wu, const mx::array& su, const mx::array& bu, int group_size, int bits) {
+                 const mx::array& wu, const mx::array& su, const mx::array& bu, int group_size, int bits,
+                 const std::optional<mx::array>& norm_weight, float norm_eps) {
   const int N = check_quantized_weight(x, wg, sg, bg, group_size, bits, "swiglu");
   if (check_quantized_weight(x, wu, su, bu, group_size, bits, "swiglu") != N || su.dtype() != sg.dtype())
     throw std::invalid_argument("[mlxinfer_cpu.swiglu] gate and up weights must match");
   mx::Shape shape = x.shape();
   shape.back() = N;
+  std::vector<mx::array> inputs = {x, wg, sg, bg, wu, su, bu};
+  if (norm_weight) {
+    if (x.dtype() != mx::float32 || norm_weight->dtype() != mx::float32 || norm_weight->ndim() != 1 ||
+        norm_weight->shape(0) != x.shape(-1))
+      throw std::invalid_argument("[mlxinfer_cpu.swiglu] norm weight must be float32 (K,) with float32 x");
+    inputs.push_back(*norm_weight);
+  }
   return mx::array(shape, mx::promote_types(x.dtype(), sg.dtype()),
-                   std::make_shared<NativeSwiglu>(mx::to_stream({}, mx::Device::cpu), group_size, bits),
-                   {x, wg, sg, bg, wu, su, bu});
+                   std::make_shared<NativeSwiglu>(mx::to_stream({}, mx::Device::cpu), group_size, bits, norm_eps),
+                   std::move(inputs));
 }
 
 }  // namespace mlxinfer_cpu

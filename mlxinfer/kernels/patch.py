@@ -212,15 +212,21 @@ def _plain_quantized(layers: list) -> bool:
     )
 
 
+def _norm_kwargs(norm) -> dict:
+    """The provider arguments that fold an RMSNorm module into the next op (none without one)."""
+    return {} if norm is None else {"norm_weight": norm["weight"], "norm_eps": norm.eps}
+
+
 def _swiglu_call(base: type) -> Callable:
-    def __call__(self, x, residual=None):
+    # residual / norm: passed by the fused block (skip connection added by down_proj; x normalised in the op).
+    def __call__(self, x, residual=None, norm=None):
         g, u = self.gate_proj, self.up_proj
         h = self._kernel_provider.swiglu(
             x, (g["weight"], g["scales"], g.get("biases")), (u["weight"], u["scales"], u.get("biases")),
-            group_size=g.group_size, bits=g.bits,
+            group_size=g.group_size, bits=g.bits, **_norm_kwargs(norm),
         )
         if h is None:
-            y = base.__call__(self, x)
+            y = base.__call__(self, x if norm is None else norm(x))
             return y if residual is None else y + residual
         return _linear_add(self.down_proj, h, residual)
 
@@ -247,17 +253,17 @@ def _llama_attention_source() -> str:
 
 
 def _attention_call(base: type) -> Callable:
-    def __call__(self, x, mask=None, cache=None, residual=None):
+    def __call__(self, x, mask=None, cache=None, residual=None, norm=None):
         offset = 0 if cache is None else cache.offset
         q, k, v, rope = self.q_proj, self.k_proj, self.v_proj, self.rope
         out = self._kernel_provider.qkv_rope(
             x, (q["weight"], q["scales"], q["biases"]), (k["weight"], k["scales"], k["biases"]),
             (v["weight"], v["scales"], v["biases"]), group_size=q.group_size, bits=q.bits, n_heads=self.n_heads,
             n_kv_heads=self.n_kv_heads, head_dim=q["weight"].shape[0] // self.n_heads, rope_dims=rope.dims,
-            traditional=rope.traditional, base=rope.base, scale=rope.scale, offset=offset,
+            traditional=rope.traditional, base=rope.base, scale=rope.scale, offset=offset, **_norm_kwargs(norm),
         )
         if out is None:
-            y = base.__call__(self, x, mask, cache)
+            y = base.__call__(self, x if norm is None else norm(x), mask, cache)
             return y if residual is None else y + residual
         queries, keys, values = out  # (B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim) x 2, RoPE'd
         B, L, _ = x.shape
@@ -317,7 +323,7 @@ def _swap_attention_inputs(model: nn.Module, provider: KernelProvider) -> int:
 
 # Decoder blocks whose ``__call__`` is exactly mlx-lm llama's (x + attn(norm(x)), then h + mlp(norm(h))) and whose
 # attention and MLP are the fused ones above: the skip connections go into o_proj and down_proj as a residual
-# input (two MLX adds per layer and token fewer).
+# input and the RMSNorms into qkv_rope and swiglu (four MLX ops per layer and token fewer).
 def _llama_block_source() -> str:
     from mlx_lm.models import llama
 
@@ -326,8 +332,9 @@ def _llama_block_source() -> str:
 
 def _block_call(base: type) -> Callable:
     def __call__(self, x, mask=None, cache=None):
-        h = self.self_attn(self.input_layernorm(x), mask, cache, residual=x)
-        return self.mlp(self.post_attention_layernorm(h), residual=h)
+        # The norms run inside the next op, the skip connections inside o_proj / down_proj.
+        h = self.self_attn(x, mask, cache, residual=x, norm=self.input_layernorm)
+        return self.mlp(h, residual=h, norm=self.post_attention_layernorm)
 
     return __call__
 
@@ -336,6 +343,8 @@ def _is_plain_block(m: nn.Module) -> bool:
     fused = lambda sub, kind: type(sub) is _FUSED_CLASSES.get((kind, getattr(type(sub), "_fused_base", None)))  # noqa: E731
     return (
         fused(getattr(m, "self_attn", None), "attention") and fused(getattr(m, "mlp", None), "swiglu")
+        and all(type(getattr(m, n, None)) in (nn.RMSNorm, KernelRMSNorm)
+                for n in ("input_layernorm", "post_attention_layernorm"))
         and _unfused_source(m) == _llama_block_source()
     )
 

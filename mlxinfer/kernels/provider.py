@@ -82,7 +82,9 @@ class OptionalKernels(Protocol):
     ) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
         """mlx-lm's attention input side: ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` (quantized, no bias) for x
         (B, L, hidden), reshaped to (B, heads, L, head_dim) and ``mx.fast.rope``'d (q and k) at ``offset``.
-        Returns (q, k, v) or None when not supported. A provider with ``qkv_rope`` also takes
+        Returns (q, k, v) or None when not supported. It may be asked to RMS-normalise x first
+        (``norm_weight=``, ``norm_eps=``; ``swiglu`` takes the same two), and a provider with ``qkv_rope`` also
+        takes ``quantized_matmul(..., residual=r)`` (+ r, a skip connection),
         ``sdpa(..., heads_last=True, kv_len=n)``, which returns (B, L, n_heads * D) over the first n (all when -1)
         keys (or None to decline), and ``kv_append(k_buf, v_buf, k, v, offset)`` (mlx-lm's KVCache update)."""
         ...

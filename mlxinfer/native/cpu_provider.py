@@ -34,14 +34,17 @@ class NativeCpuProvider:
         except _REJECTED:
             return None
 
-    def swiglu(self, x, gate, up, *, group_size: int, bits: int) -> Optional[mx.array]:
-        """silu(x @ Wg.T) * (x @ Wu.T) in one primitive: both matvecs share one pass over x and one pool job."""
+    def swiglu(self, x, gate, up, *, group_size: int, bits: int, norm_weight=None,
+               norm_eps: float = 0.0) -> Optional[mx.array]:
+        """silu(x @ Wg.T) * (x @ Wu.T) in one primitive: both matvecs share one pass over x and one pool job;
+        x RMS-normalised first when ``norm_weight`` is given."""
         (wg, sg, bg), (wu, su, bu) = gate, up
         if bg is None or bu is None:
             return None
         try:
             # (..., K) -> (..., N)
-            return self._ext.swiglu(x, wg, sg, bg, wu, su, bu, group_size=group_size, bits=bits)
+            return self._ext.swiglu(x, wg, sg, bg, wu, su, bu, group_size=group_size, bits=bits,
+                                    norm_weight=norm_weight, norm_eps=float(norm_eps))
         except _REJECTED:
             return None
 
@@ -79,7 +82,8 @@ class NativeCpuProvider:
             return None
 
     def qkv_rope(self, x, q, k, v, *, group_size: int, bits: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 rope_dims: int, traditional: bool, base: Optional[float], scale: float, offset):
+                 rope_dims: int, traditional: bool, base: Optional[float], scale: float, offset, norm_weight=None,
+                 norm_eps: float = 0.0):
         """The three projections, head split and RoPE as one op (11 MLX ops per decode step otherwise)."""
         if base is None or not isinstance(offset, int) or any(t[2] is None for t in (q, k, v)):
             return None
@@ -88,7 +92,8 @@ class NativeCpuProvider:
             return tuple(self._ext.qkv_rope(
                 x, list(q), list(k), list(v), group_size=group_size, bits=bits, n_heads=n_heads,
                 n_kv_heads=n_kv_heads, head_dim=head_dim, rope_dims=rope_dims, traditional=traditional,
-                base=float(base), scale=float(scale), offset=offset,
+                base=float(base), scale=float(scale), offset=offset, norm_weight=norm_weight,
+                norm_eps=float(norm_eps),
             ))
         except _REJECTED:
             return None

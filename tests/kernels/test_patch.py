@@ -274,8 +274,11 @@ class QkvProvider(DecliningProvider):
         self.v_scale = 1.25
 
     def qkv_rope(self, x, q, k, v, *, group_size, bits, n_heads, n_kv_heads, head_dim, rope_dims, traditional,
-                 base, scale, offset):
+                 base, scale, offset, norm_weight=None, norm_eps=0.0):
         self.offsets.append(offset)
+        self.normed = norm_weight is not None
+        if norm_weight is not None:  # the fused block folds input_layernorm in
+            x = mx.fast.rms_norm(x, norm_weight, norm_eps)
         B, L, _ = x.shape
         outs = []
         for (w, s, b), heads, roped in ((q, n_heads, True), (k, n_kv_heads, True), (v, n_kv_heads, False)):
@@ -301,6 +304,7 @@ def test_attention_inputs_fuse_through_qkv_rope_and_restore(cpu_provider):
     c = model.make_cache()
     after = [logits(model, tokens, c), logits(model, [3], c)]
     assert fake.offsets == [0, 0, 4, 4]  # prefill then one decode step, 2 layers each, at the cache offset
+    assert fake.normed and type(model.model.layers[0]).__name__ == "FusedTransformerBlock"
     assert c[0].offset == 5
     assert not mx.allclose(before[1], after[1], atol=1e-3).item()
     # With v unscaled the fused path is the original computation.
@@ -310,3 +314,4 @@ def test_attention_inputs_fuse_through_qkv_rope_and_restore(cpu_provider):
     assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(before, same))
     apply_kernels(model, "builtin")
     assert type(model.model.layers[0].self_attn) is llama.Attention
+    assert type(model.model.layers[0]) is llama.TransformerBlock

@@ -56,3 +56,22 @@ def test_rejects_bad_arguments(native_ext):
         native_ext.qkv_rope(x, list(ws[0]), list(ws[1]), list(ws[2]), **{**kw, "rope_dims": 33})
     with pytest.raises(ValueError, match="float32"):
         native_ext.qkv_rope(x.astype(mx.float16), list(ws[0]), list(ws[1]), list(ws[2]), **kw)
+
+
+def test_rms_norm_folded_in(native_ext):
+    """norm_weight/norm_eps: x is RMS-normalised inside the op (the block's input_layernorm)."""
+    mx.random.seed(9)
+    ws = [mx.quantize(mx.random.normal((n * 64, 256)) * 0.2, group_size=64, bits=4) for n in (4, 2, 2)]
+    x, w = mx.random.normal((1, 3, 256)) * 3.0, mx.random.normal((256,))
+    kw = dict(group_size=64, bits=4, n_heads=4, n_kv_heads=2, head_dim=64, rope_dims=64, traditional=False,
+              base=10000.0, scale=1.0, offset=2)
+    got = native_ext.qkv_rope(x, list(ws[0]), list(ws[1]), list(ws[2]), norm_weight=w, norm_eps=1e-5, **kw)
+    ref = native_ext.qkv_rope(mx.fast.rms_norm(x, w, 1e-5), list(ws[0]), list(ws[1]), list(ws[2]), **kw)
+    for g, r in zip(got, ref):
+        assert mx.abs(g - r).max().item() <= 1e-5 * mx.abs(r).max().item()
+    g, u = (mx.quantize(mx.random.normal((96, 256)) * 0.1, group_size=64, bits=4) for _ in range(2))
+    got = native_ext.swiglu(x, *g, *u, group_size=64, bits=4, norm_weight=w, norm_eps=1e-5)
+    ref = native_ext.swiglu(mx.fast.rms_norm(x, w, 1e-5), *g, *u, group_size=64, bits=4)
+    assert mx.abs(got - ref).max().item() <= 1e-5 * mx.abs(ref).max().item()
+    with pytest.raises(ValueError, match="norm"):
+        native_ext.swiglu(x, *g, *u, group_size=64, bits=4, norm_weight=w[:10], norm_eps=1e-5)
