@@ -39,7 +39,7 @@ NB_MODULE(_mlxinfer_cpu, m) {
         nb::kw_only(), "group_size"_a, "bits"_a, "nn.QuantizedEmbedding lookup: ids -> dequantized float32 rows.");
   m.def("qkv_rope", &mlxinfer_cpu::qkv_rope, "x"_a, "wq"_a, "wk"_a, "wv"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
-        "norm_weight"_a = nb::none(), "norm_eps"_a = 0.f,
+        "norm_weight"_a = nb::none(), "norm_eps"_a = 0.f, "freqs"_a = nb::none(),
         "q, k, v projections + head split + RoPE in one op: returns [q (B, Hq, L, D), k, v (B, Hkv, L, D)].");
   m.def("set_num_threads", [](int n) { mlxinfer_cpu::SpinPool::get().set_size(n); }, "n"_a);
   m.def("num_threads", [] { return mlxinfer_cpu::SpinPool::get().size(); });

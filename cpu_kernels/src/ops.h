@@ -49,11 +49,12 @@ std::vector<mx::array> kv_append(const mx::array& k_buf, const mx::array& v_buf,
 // An attention block's input side: x (B, L, hidden) float32 times the quantized q/k/v projections (each
 // (w, scales, biases), float32 scales), split into heads and RoPE'd (first rope_dims of each head; 0 = none) at
 // positions offset + l. Returns q (B, n_heads, L, head_dim), k and v (B, n_kv_heads, L, head_dim). With
-// norm_weight, x is RMS-normalised first (the block's input_layernorm).
+// norm_weight, x is RMS-normalised first (the block's input_layernorm); with freqs (rope_dims / 2 periods, as
+// mx.fast.rope's freqs) base is ignored.
 std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>& wq, const std::vector<mx::array>& wk,
                                 const std::vector<mx::array>& wv, int group_size, int bits, int n_heads,
                                 int n_kv_heads, int head_dim, int rope_dims, bool traditional, float base, float scale,
                                 int offset, const std::optional<mx::array>& norm_weight = std::nullopt,
-                                float norm_eps = 0.f);
+                                float norm_eps = 0.f, const std::optional<mx::array>& freqs = std::nullopt);
 
 }  // namespace mlxinfer_cpu

@@ -28,9 +28,9 @@ struct RopeSpec {
 class NativeQkvRope : public mx::Primitive {
  public:
   NativeQkvRope(mx::Stream s, int group_size, int bits, int n_heads, int n_kv_heads, int head_dim, RopeSpec rope,
-                int offset, float norm_eps)
+                int offset, bool has_norm, float norm_eps, bool has_freqs)
       : mx::Primitive(s), gs_(group_size), bits_(bits), hq_(n_heads), hkv_(n_kv_heads), d_(head_dim), rope_(rope),
-        offset_(offset), norm_eps_(norm_eps) {}
+        offset_(offset), has_norm_(has_norm), norm_eps_(norm_eps), has_freqs_(has_freqs) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -41,7 +41,8 @@ class NativeQkvRope : public mx::Primitive {
     auto* o = dynamic_cast<const NativeQkvRope*>(&other);
     return o && o->gs_ == gs_ && o->bits_ == bits_ && o->hq_ == hq_ && o->hkv_ == hkv_ && o->d_ == d_ &&
            o->rope_.dims == rope_.dims && o->rope_.traditional == rope_.traditional && o->rope_.base == rope_.base &&
-           o->rope_.scale == rope_.scale && o->offset_ == offset_ && o->norm_eps_ == norm_eps_;
+           o->rope_.scale == rope_.scale && o->offset_ == offset_ && o->has_norm_ == has_norm_ &&
+           o->norm_eps_ == norm_eps_ && o->has_freqs_ == has_freqs_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const int B = inputs[0].shape(0), L = inputs[0].shape(1);
@@ -52,17 +53,21 @@ class NativeQkvRope : public mx::Primitive {
   int gs_, bits_, hq_, hkv_, d_;
   RopeSpec rope_;
   int offset_;
-  float norm_eps_;  // with an 11th input (an RMSNorm weight): x is normalised first
+  bool has_norm_;   // an RMSNorm weight follows the 9 weight inputs: x is normalised first
+  float norm_eps_;
+  bool has_freqs_;  // then RoPE periods (dims / 2,): theta_i = position * scale / freqs[i] (Llama-3 scaling)
 };
 
 // flat (B*L, H*D) row-major -> out (B, H, L, D), rotating the first `dims` of each head at position offset + l
 // exactly as mx.fast.rope does (freq_i = base^(-i / half), theta = (offset + l) * scale * freq_i).
-void scatter_heads(const float* flat, float* out, int B, int L, int H, int D, const RopeSpec& rope, int offset) {
+void scatter_heads(const float* flat, float* out, int B, int L, int H, int D, const RopeSpec& rope, int offset,
+                   const float* periods = nullptr) {
   const int half = rope.dims / 2;
   std::vector<float> cs((size_t)L * half), sn((size_t)L * half);
   for (int l = 0; l < L; ++l)
     for (int i = 0; i < half; ++i) {
-      const float freq = std::exp(-static_cast<float>(i) * (std::log(rope.base) / half));
+      const float freq = periods ? 1.f / periods[i]
+                                 : std::exp(-static_cast<float>(i) * (std::log(rope.base) / half));
       const float theta = static_cast<float>(offset + l) * rope.scale * freq;
       cs[(size_t)l * half + i] = std::cos(theta);
       sn[(size_t)l * half + i] = std::sin(theta);
@@ -93,7 +98,8 @@ void NativeQkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
   for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
   for (const auto& o : outputs) out.push_back(mx::array::unsafe_weak_copy(o));
   enc.dispatch([in = std::move(in), out = std::move(out), gs = gs_, bits = bits_, hq = hq_, hkv = hkv_, d = d_,
-                rope = rope_, offset = offset_, eps = norm_eps_]() mutable {
+                rope = rope_, offset = offset_, has_norm = has_norm_, eps = norm_eps_,
+                has_freqs = has_freqs_]() mutable {
     for (auto& a : in)
       if (!a.flags().row_contiguous) a = row_contiguous_copy(a);
     const int B = in[0].shape(0), L = in[0].shape(1);
@@ -102,12 +108,13 @@ void NativeQkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
     fq.resize(rows * hq * d);
     fk.resize(rows * hkv * d);
     fv.resize(rows * hkv * d);
-    const mx::array x = in.size() == 11 ? rms_normed(in[0], in[10], eps) : in[0];
+    const mx::array x = has_norm ? rms_normed(in[0], in[10], eps) : in[0];
+    const float* periods = has_freqs ? in[has_norm ? 11 : 10].data<float>() : nullptr;
     qmm_float(x, {{&in[1], &in[2], &in[3], fq.data()}, {&in[4], &in[5], &in[6], fk.data()},
                       {&in[7], &in[8], &in[9], fv.data()}},
               gs, bits);
-    scatter_heads(fq.data(), out[0].data<float>(), B, L, hq, d, rope, offset);
-    scatter_heads(fk.data(), out[1].data<float>(), B, L, hkv, d, rope, offset);
+    scatter_heads(fq.data(), out[0].data<float>(), B, L, hq, d, rope, offset, periods);
+    scatter_heads(fk.data(), out[1].data<float>(), B, L, hkv, d, rope, offset, periods);
     scatter_heads(fv.data(), out[2].data<float>(), B, L, hkv, d, RopeSpec{0, false, 1.f, 1.f}, 0);
   });
 }
@@ -117,7 +124,8 @@ void NativeQkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
 std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>& wq, const std::vector<mx::array>& wk,
                                 const std::vector<mx::array>& wv, int group_size, int bits, int n_heads,
                                 int n_kv_heads, int head_dim, int rope_dims, bool traditional, float base, float scale,
-                                int offset, const std::optional<mx::array>& norm_weight, float norm_eps) {
+                                int offset, const std::optional<mx::array>& norm_weight, float norm_eps,
+                                const std::optional<mx::array>& freqs) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.qkv_rope] " + msg); };
   if (wq.size() != 3 || wk.size() != 3 || wv.size() != 3) fail("each projection is (w, scales, biases)");
   if (x.ndim() != 3 || x.dtype() != mx::float32) fail("x must be float32 (B, L, hidden)");
@@ -137,10 +145,15 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>
       fail("norm weight must be float32 (hidden,)");
     inputs.push_back(*norm_weight);
   }
+  if (freqs) {
+    if (freqs->dtype() != mx::float32 || freqs->ndim() != 1 || freqs->shape(0) != rope_dims / 2)
+      fail("rope freqs must be float32 (rope_dims / 2,)");
+    inputs.push_back(*freqs);
+  }
   const int B = x.shape(0), L = x.shape(1);
   auto prim = std::make_shared<NativeQkvRope>(mx::to_stream({}, mx::Device::cpu), group_size, bits, n_heads,
                                               n_kv_heads, head_dim, RopeSpec{rope_dims, traditional, base, scale},
-                                              offset, norm_eps);
+                                              offset, norm_weight.has_value(), norm_eps, freqs.has_value());
   return mx::array::make_arrays({{B, n_heads, L, head_dim}, {B, n_kv_heads, L, head_dim}, {B, n_kv_heads, L, head_dim}},
                                 {mx::float32, mx::float32, mx::float32}, prim, std::move(inputs));
 }

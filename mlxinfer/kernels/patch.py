@@ -260,7 +260,7 @@ def _attention_call(base: type) -> Callable:
             x, (q["weight"], q["scales"], q["biases"]), (k["weight"], k["scales"], k["biases"]),
             (v["weight"], v["scales"], v["biases"]), group_size=q.group_size, bits=q.bits, n_heads=self.n_heads,
             n_kv_heads=self.n_kv_heads, head_dim=q["weight"].shape[0] // self.n_heads, rope_dims=rope.dims,
-            traditional=rope.traditional, base=rope.base, scale=rope.scale, offset=offset, **_norm_kwargs(norm),
+            traditional=rope.traditional, offset=offset, **_rope_kwargs(rope), **_norm_kwargs(norm),
         )
         if out is None:
             y = base.__call__(self, x if norm is None else norm(x), mask, cache)
@@ -308,9 +308,24 @@ def _append_kv(provider: KernelProvider, cache, keys, values):
     return out[0], out[1], cache.offset
 
 
+def _rope_kwargs(rope) -> dict:
+    """base/scale (nn.RoPE) or the precomputed periods (mlx-lm's Llama3RoPE, as it passes them to mx.fast.rope)."""
+    if isinstance(rope, nn.RoPE):
+        return {"base": rope.base, "scale": rope.scale}
+    return {"base": None, "scale": 1.0, "freqs": rope._freqs}
+
+
+def _plain_rope(rope) -> bool:
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    return type(rope) in (nn.RoPE, KernelRoPE) or (
+        type(rope) is Llama3RoPE and isinstance(getattr(rope, "_freqs", None), mx.array)
+    )
+
+
 def _is_plain_attention(m: nn.Module) -> bool:
     return (
-        type(getattr(m, "rope", None)) in (nn.RoPE, KernelRoPE)
+        _plain_rope(getattr(m, "rope", None))
         and all(hasattr(m, a) for a in ("n_heads", "n_kv_heads", "scale"))
         and _plain_quantized([getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj")])
         and _unfused_source(m) == _llama_attention_source()

@@ -78,7 +78,7 @@ class OptionalKernels(Protocol):
     def qkv_rope(
         self, x: mx.array, q: QuantTriple, k: QuantTriple, v: QuantTriple, *, group_size: int, bits: int,
         n_heads: int, n_kv_heads: int, head_dim: int, rope_dims: int, traditional: bool, base: Optional[float],
-        scale: float, offset: int,
+        scale: float, offset: int, freqs: Optional[mx.array] = None,
     ) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
         """mlx-lm's attention input side: ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` (quantized, no bias) for x
         (B, L, hidden), reshaped to (B, heads, L, head_dim) and ``mx.fast.rope``'d (q and k) at ``offset``.

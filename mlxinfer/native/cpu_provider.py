@@ -83,17 +83,18 @@ class NativeCpuProvider:
 
     def qkv_rope(self, x, q, k, v, *, group_size: int, bits: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  rope_dims: int, traditional: bool, base: Optional[float], scale: float, offset, norm_weight=None,
-                 norm_eps: float = 0.0):
-        """The three projections, head split and RoPE as one op (11 MLX ops per decode step otherwise)."""
-        if base is None or not isinstance(offset, int) or any(t[2] is None for t in (q, k, v)):
+                 norm_eps: float = 0.0, freqs=None):
+        """The three projections, head split and RoPE as one op (11 MLX ops per decode step otherwise); ``freqs``
+        as ``mx.fast.rope``'s (then ``base`` is unused)."""
+        if (base is None and freqs is None) or not isinstance(offset, int) or any(t[2] is None for t in (q, k, v)):
             return None
         try:
             # x (B, L, hidden) -> q (B, n_heads, L, head_dim), k and v (B, n_kv_heads, L, head_dim)
             return tuple(self._ext.qkv_rope(
                 x, list(q), list(k), list(v), group_size=group_size, bits=bits, n_heads=n_heads,
                 n_kv_heads=n_kv_heads, head_dim=head_dim, rope_dims=rope_dims, traditional=traditional,
-                base=float(base), scale=float(scale), offset=offset, norm_weight=norm_weight,
-                norm_eps=float(norm_eps),
+                base=float(base if base is not None else 0.0), scale=float(scale), offset=offset,
+                norm_weight=norm_weight, norm_eps=float(norm_eps), freqs=freqs,
             ))
         except _REJECTED:
             return None

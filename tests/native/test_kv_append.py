@@ -58,9 +58,11 @@ def test_sdpa_kv_len_reads_only_the_valid_prefix(native_ext, L, kv_len):
         native_ext.sdpa(q, kb, vb, scale=0.25, kv_len=513)
 
 
-def test_model_decode_across_cache_growth_matches_builtin(native_ext):
-    """A tiny llama decoding past the KV buffer's 256-step growth: the fused path (native append, attention over
-    whole buffers) gives the built-in logits at every step."""
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_model_decode_across_cache_growth_matches_builtin(native_ext, rope_scaling):
+    """A tiny llama (plain and Llama-3 scaled RoPE) decoding past the KV buffer's 256-step growth: the fused path
+    (native append, attention over whole buffers, folded norms) gives the built-in logits at every step."""
     import mlx.nn as nn
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
@@ -71,6 +73,7 @@ def test_model_decode_across_cache_growth_matches_builtin(native_ext):
     model = llama.Model(llama.ModelArgs(
         model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300, tie_word_embeddings=True,
+        rope_scaling=rope_scaling, max_position_embeddings=1024,
     ))
     nn.quantize(model, group_size=32, bits=4)
     prompt = mx.array([list(range(250))]) % 300

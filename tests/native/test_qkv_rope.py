@@ -75,3 +75,18 @@ def test_rms_norm_folded_in(native_ext):
     assert mx.abs(got - ref).max().item() <= 1e-5 * mx.abs(ref).max().item()
     with pytest.raises(ValueError, match="norm"):
         native_ext.swiglu(x, *g, *u, group_size=64, bits=4, norm_weight=w[:10], norm_eps=1e-5)
+
+
+def test_rope_periods_as_llama3(native_ext):
+    """freqs (Llama-3 scaled RoPE periods, as mx.fast.rope's freqs) instead of base."""
+    mx.random.seed(12)
+    ws = [mx.quantize(mx.random.normal((n * 64, 128)) * 0.2, group_size=64, bits=4) for n in (2, 1, 1)]
+    x = mx.random.normal((1, 2, 128))
+    freqs = 10000.0 ** (mx.arange(0, 64, 2) / 64) * mx.linspace(1.0, 8.0, 32)
+    q, k, _ = native_ext.qkv_rope(x, list(ws[0]), list(ws[1]), list(ws[2]), group_size=64, bits=4, n_heads=2,
+                                  n_kv_heads=1, head_dim=64, rope_dims=64, traditional=False, base=0.0, scale=1.0,
+                                  offset=700, freqs=freqs)
+    for got, (w, s_, b), h in ((q, ws[0], 2), (k, ws[1], 1)):
+        y = mx.quantized_matmul(x, w, s_, b, group_size=64, bits=4).reshape(1, 2, h, 64).transpose(0, 2, 1, 3)
+        ref = mx.fast.rope(y, 64, traditional=False, base=None, scale=1.0, offset=700, freqs=freqs)
+        assert mx.abs(got - ref).max().item() <= 1e-4 * mx.abs(ref).max().item()
