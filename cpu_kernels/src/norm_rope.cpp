@@ -10,6 +10,7 @@
 #include "mlx/primitives.h"
 #include "dispatch.h"
 #include "ops.h"
+#include "qmm_float.h"
 
 namespace mlxinfer_cpu {
 
@@ -21,6 +22,31 @@ void rms_norm_rows(const float* x, const float* w, float* y, size_t rows, int D,
     const float inv = 1.f / std::sqrt(ss / D + eps);
     for (int d = 0; d < D; ++d) y[r * D + d] = w[d] * (xr[d] * inv);
   }
+}
+
+void rope_table(int L, int half, float base, float scale, int offset, const float* periods, std::vector<float>& cs,
+                std::vector<float>& sn) {
+  cs.resize((size_t)L * half);
+  sn.resize((size_t)L * half);
+  for (int l = 0; l < L; ++l)
+    for (int i = 0; i < half; ++i) {
+      // As MLX: freq_i = base^(-i / half) or 1 / periods[i], theta = (offset + l) * scale * freq_i.
+      const float freq = periods ? 1.f / periods[i] : std::exp(-static_cast<float>(i) * (std::log(base) / half));
+      const float theta = static_cast<float>(offset + l) * scale * freq;
+      cs[(size_t)l * half + i] = std::cos(theta);
+      sn[(size_t)l * half + i] = std::sin(theta);
+    }
+}
+
+void rope_row(const float* x, float* y, int D, int dims, bool traditional, const float* c, const float* s) {
+  const int half = dims / 2;
+  for (int i = 0; i < half; ++i) {
+    const int a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+    const float x1 = x[a], x2 = x[b];
+    y[a] = x1 * c[i] - x2 * s[i];
+    y[b] = x1 * s[i] + x2 * c[i];
+  }
+  for (int d = dims; d < D; ++d) y[d] = x[d];
 }
 
 mx::array rms_normed(const mx::array& x, const mx::array& w, float eps) {
@@ -69,32 +95,14 @@ class NativeRope : public mx::UnaryPrimitive {
       // x (..., L, D): position of row l is offset + l.
       const int D = in[0].shape(-1), L = in[0].shape(-2);
       const size_t mats = in[0].size() / ((size_t)L * D);
-      const int half = dims / 2;
-      std::vector<float> cs((size_t)L * half), sn((size_t)L * half);
-      for (int l = 0; l < L; ++l)
-        for (int i = 0; i < half; ++i) {
-          // As MLX: freq_i = base^(-i / half), theta = (offset + l) * scale * freq_i.
-          const float freq = std::exp(-static_cast<float>(i) * (std::log(base) / half));
-          const float theta = static_cast<float>(offset + l) * scale * freq;
-          cs[(size_t)l * half + i] = std::cos(theta);
-          sn[(size_t)l * half + i] = std::sin(theta);
-        }
+      std::vector<float> cs, sn;
+      rope_table(L, dims / 2, base, scale, offset, nullptr, cs, sn);
       const float* x = in[0].data<float>();
       float* y = o.data<float>();
       for (size_t m = 0; m < mats; ++m)
-        for (int l = 0; l < L; ++l) {
-          const float* xr = x + (m * L + l) * D;
-          float* yr = y + (m * L + l) * D;
-          const float* c = cs.data() + (size_t)l * half;
-          const float* s = sn.data() + (size_t)l * half;
-          for (int i = 0; i < half; ++i) {
-            const int a = trad ? 2 * i : i, b = trad ? 2 * i + 1 : i + half;
-            const float x1 = xr[a], x2 = xr[b];
-            yr[a] = x1 * c[i] - x2 * s[i];
-            yr[b] = x1 * s[i] + x2 * c[i];
-          }
-          for (int d = dims; d < D; ++d) yr[d] = xr[d];
-        }
+        for (int l = 0; l < L; ++l)
+          rope_row(x + (m * L + l) * D, y + (m * L + l) * D, D, dims, trad, cs.data() + (size_t)l * (dims / 2),
+                   sn.data() + (size_t)l * (dims / 2));
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {

@@ -59,34 +59,17 @@ class NativeQkvRope : public mx::Primitive {
 };
 
 // flat (B*L, H*D) row-major -> out (B, H, L, D), rotating the first `dims` of each head at position offset + l
-// exactly as mx.fast.rope does (freq_i = base^(-i / half), theta = (offset + l) * scale * freq_i).
+// as mx.fast.rope does (base, or Llama-3 style periods).
 void scatter_heads(const float* flat, float* out, int B, int L, int H, int D, const RopeSpec& rope, int offset,
                    const float* periods = nullptr) {
   const int half = rope.dims / 2;
-  std::vector<float> cs((size_t)L * half), sn((size_t)L * half);
-  for (int l = 0; l < L; ++l)
-    for (int i = 0; i < half; ++i) {
-      const float freq = periods ? 1.f / periods[i]
-                                 : std::exp(-static_cast<float>(i) * (std::log(rope.base) / half));
-      const float theta = static_cast<float>(offset + l) * rope.scale * freq;
-      cs[(size_t)l * half + i] = std::cos(theta);
-      sn[(size_t)l * half + i] = std::sin(theta);
-    }
+  std::vector<float> cs, sn;
+  rope_table(L, half, rope.base, rope.scale, offset, periods, cs, sn);
   for (int b = 0; b < B; ++b)
     for (int l = 0; l < L; ++l)
-      for (int h = 0; h < H; ++h) {
-        const float* xr = flat + ((size_t)(b * L + l) * H + h) * D;
-        float* yr = out + ((size_t)(b * H + h) * L + l) * D;
-        const float* c = cs.data() + (size_t)l * half;
-        const float* s = sn.data() + (size_t)l * half;
-        for (int i = 0; i < half; ++i) {
-          const int a = rope.traditional ? 2 * i : i, e = rope.traditional ? 2 * i + 1 : i + half;
-          const float x1 = xr[a], x2 = xr[e];
-          yr[a] = x1 * c[i] - x2 * s[i];
-          yr[e] = x1 * s[i] + x2 * c[i];
-        }
-        for (int d = rope.dims; d < D; ++d) yr[d] = xr[d];
-      }
+      for (int h = 0; h < H; ++h)
+        rope_row(flat + ((size_t)(b * L + l) * H + h) * D, out + ((size_t)(b * H + h) * L + l) * D, D, rope.dims,
+                 rope.traditional, cs.data() + (size_t)l * half, sn.data() + (size_t)l * half);
 }
 
 void NativeQkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

@@ -1,5 +1,6 @@
 #pragma once
-// The float32 quantized-matmul driver (quantized.cpp) for primitives that run several weights in one job.
+// Helpers shared between primitives: the float32 quantized-matmul driver (quantized.cpp) for ops that run
+// several weights in one job, RMSNorm and RoPE row loops (norm_rope.cpp), the weight check.
 #include <vector>
 
 #include "ops.h"
@@ -21,6 +22,13 @@ void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_siz
 // (for ops that normalise their input first: the x of a fused block step is read once per row anyway).
 void rms_norm_rows(const float* x, const float* w, float* y, size_t rows, int D, float eps);
 mx::array rms_normed(const mx::array& x, const mx::array& w, float eps);
+
+// RoPE as mx.fast.rope, in norm_rope.cpp: rope_table fills cos/sin (L, half) of theta = (offset + l) * scale * f_i,
+// f_i = base^(-i / half), or 1 / periods[i] when periods (half,) is given; rope_row rotates the first dims of one
+// row (halves, or interleaved pairs when traditional) with one row of that table and copies the rest.
+void rope_table(int L, int half, float base, float scale, int offset, const float* periods, std::vector<float>& cs,
+                std::vector<float>& sn);
+void rope_row(const float* x, float* y, int D, int dims, bool traditional, const float* c, const float* s);
 
 // Checks one (w, scales, biases) against x for an op named `op` (throws std::invalid_argument); returns N.
 int check_quantized_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
