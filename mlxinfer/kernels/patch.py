@@ -11,7 +11,9 @@ same bodies through ``mx.fast.cuda_kernel``, CPU -> ``mlxinfer.native.provider()
   ``from .base import scaled_dot_product_attention``) with a wrapper that asks the provider first;
 * routes the tied LM head, ``nn.RMSNorm`` and ``nn.RoPE`` through the provider's optional methods, and turns
   attention modules whose ``__call__`` is exactly mlx-lm llama's into a subclass whose q/k/v projections, head
-  split and RoPE are one optional ``qkv_rope`` op (the CPU pays several microseconds per MLX op in decode).
+  split and RoPE are one optional ``qkv_rope`` op, the KV-cache update one ``kv_append`` and the attention writes
+  o_proj's layout; llama-source decoder blocks then fold their RMSNorms and skip connections into those ops
+  (the CPU pays several microseconds per MLX op in decode).
 
 The attention swap is per mlx-lm *module* (e.g. all llama models in the process), not per model instance;
 ``apply_kernels(model, "builtin")`` undoes both swaps.
@@ -19,6 +21,7 @@ The attention swap is per mlx-lm *module* (e.g. all llama models in the process)
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -246,6 +249,7 @@ def _swap_mlps(model: nn.Module, provider: KernelProvider) -> int:
 # Attention modules whose ``__call__`` is exactly mlx-lm llama's (q/k/v projections, head split, RoPE at
 # cache.offset, cache update, attention, o_proj): on the CPU the input side is 11 small MLX ops per layer and
 # token, so it becomes one ``provider.qkv_rope`` op; the cache update, attention and o_proj stay as they are.
+@functools.lru_cache(maxsize=None)  # asked once per module of every model loaded
 def _llama_attention_source() -> str:
     from mlx_lm.models import llama
 
@@ -339,6 +343,7 @@ def _swap_attention_inputs(model: nn.Module, provider: KernelProvider) -> int:
 # Decoder blocks whose ``__call__`` is exactly mlx-lm llama's (x + attn(norm(x)), then h + mlp(norm(h))) and whose
 # attention and MLP are the fused ones above: the skip connections go into o_proj and down_proj as a residual
 # input and the RMSNorms into qkv_rope and swiglu (four MLX ops per layer and token fewer).
+@functools.lru_cache(maxsize=None)
 def _llama_block_source() -> str:
     from mlx_lm.models import llama
 
