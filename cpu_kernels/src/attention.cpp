@@ -10,6 +10,7 @@
 #include "mlx/primitives.h"
 #include "dispatch.h"
 #include "ops.h"
+#include "qmm_float.h"
 #include "qmm_kernels.h"
 #include "threadpool.h"
 
@@ -64,6 +65,12 @@ void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::ar
     a.vs[d] = v.strides()[d];
   }
   a.out = out.data<float>();
+  sdpa_exec(a);
+}
+
+}  // namespace
+
+void sdpa_exec(const SdpaArgs& a) {
   const SdpaFn fn = select_sdpa();
   SpinPool& pool = SpinPool::get();
   const int threads = pool.size();
@@ -110,6 +117,8 @@ void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::ar
     for (int d = 0; d < D; ++d) o[d] *= inv;
   }
 }
+
+namespace {
 
 void NativeSdpa::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream());

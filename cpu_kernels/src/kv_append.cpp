@@ -2,8 +2,10 @@
 // KVCache.update_and_fetch spends 4 MLX ops per layer and step on it (two slice updates, two slices); this is two
 // (keys, values), and the attention then reads the buffers up to the valid length (sdpa's kv_len), not slices.
 // Like MLX's own SliceUpdate, the outputs take over the input buffers when nothing else references them, so the
-// cache is updated in place; otherwise the buffers are copied first.
+// cache is updated in place; otherwise the buffers are copied first. kv_reserve makes the fresh buffers that
+// decoder_block (block.cpp) writes into.
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -66,7 +68,62 @@ class NativeKvWrite : public mx::UnaryPrimitive {
   int offset_;
 };
 
+// A fresh buffer for decoder_block's in-place KV writes: never a view, never another array's donated buffer.
+class NativeKvReserve : public mx::UnaryPrimitive {
+ public:
+  NativeKvReserve(mx::Stream s, int valid) : mx::UnaryPrimitive(s), valid_(valid) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    std::vector<mx::array> in;
+    for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), valid = valid_]() mutable {
+      std::memset(out.data<float>(), 0, out.nbytes());
+      if (in.empty() || valid == 0) return;
+      mx::array src = in[0].flags().row_contiguous ? in[0] : row_contiguous_copy(in[0]);
+      // src (B, H, S, D) positions [0, valid) -> out (B, H, capacity, D)
+      const int B = out.shape(0), H = out.shape(1), cap = out.shape(2), D = out.shape(3), S = src.shape(2);
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < H; ++h)
+          std::memcpy(out.data<float>() + ((size_t)b * H + h) * cap * D,
+                      src.data<float>() + ((size_t)b * H + h) * S * D, sizeof(float) * valid * D);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[mlxinfer_cpu] kv_reserve runs on the CPU stream only");
+  }
+  const char* name() const override { return "MlxinferKvReserve"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const NativeKvReserve*>(&other);
+    return o && o->valid_ == valid_;
+  }
+
+ private:
+  int valid_;
+};
+
 }  // namespace
+
+mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::array>& src, int valid) {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.kv_reserve] " + msg); };
+  if (shape.size() != 4 || shape[0] < 1 || shape[1] < 1 || shape[2] < 1 || shape[3] < 1)
+    fail("shape must be (B, heads, capacity, dim), all positive");
+  if (valid < 0 || valid > shape[2]) fail("valid must be within the capacity");
+  std::vector<mx::array> inputs;
+  if (src) {
+    if (src->ndim() != 4 || src->dtype() != mx::float32) fail("src must be a float32 (B, heads, len, dim) array");
+    if (src->shape(0) != shape[0] || src->shape(1) != shape[1] || src->shape(3) != shape[3] || src->shape(2) < valid)
+      fail("src does not match the shape or holds fewer than `valid` positions");
+    inputs.push_back(*src);
+  } else if (valid != 0) {
+    fail("valid > 0 needs src");
+  }
+  return mx::array(mx::Shape(shape.begin(), shape.end()), mx::float32,
+                   std::make_shared<NativeKvReserve>(mx::to_stream({}, mx::Device::cpu), valid), std::move(inputs));
+}
 
 std::vector<mx::array> kv_append(const mx::array& k_buf, const mx::array& v_buf, const mx::array& k,
                                  const mx::array& v, int offset) {

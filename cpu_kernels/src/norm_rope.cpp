@@ -49,6 +49,18 @@ void rope_row(const float* x, float* y, int D, int dims, bool traditional, const
   for (int d = dims; d < D; ++d) y[d] = x[d];
 }
 
+void scatter_heads(const float* flat, float* out, int B, int L, int H, int D, const RopeSpec& rope, int offset,
+                   const float* periods, int cap, int pos0) {
+  const int half = rope.dims / 2;
+  thread_local std::vector<float> cs, sn;
+  rope_table(L, half, rope.base, rope.scale, offset, periods, cs, sn);
+  for (int b = 0; b < B; ++b)
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < H; ++h)
+        rope_row(flat + ((size_t)(b * L + l) * H + h) * D, out + (((size_t)b * H + h) * cap + pos0 + l) * D, D,
+                 rope.dims, rope.traditional, cs.data() + (size_t)l * half, sn.data() + (size_t)l * half);
+}
+
 mx::array rms_normed(const mx::array& x, const mx::array& w, float eps) {
   mx::array y(x.shape(), mx::float32, nullptr, {});
   y.set_data(mx::allocator::malloc(y.nbytes()));

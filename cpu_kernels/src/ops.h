@@ -57,4 +57,25 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>
                                 int offset, const std::optional<mx::array>& norm_weight = std::nullopt,
                                 float norm_eps = 0.f, const std::optional<mx::array>& freqs = std::nullopt);
 
+// A fresh (B, heads, capacity, dim) float32 buffer (zeros) holding src's first `valid` positions: the KV-cache
+// buffers decoder_block writes in place (a new allocation, never a view or a donated buffer).
+mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::array>& src = std::nullopt,
+                     int valid = 0);
+
+// A llama-style decoder layer as one op (block.cpp): x (B, L, hidden) float32 ->
+//   h = x + o(sdpa(rope(q(n1)), K, V)),  y = h + down(silu(gate(n2)) * up(n2)),  n1 = rms(x), n2 = rms(h)
+// weights: (w, scales, biases) of q, k, v, o, gate, up, down sharing one group_size/bits, then the norm1 and
+// norm2 weights (23 arrays). This step's rope(k(n1)) and v(n1) are written IN PLACE into k_buf / v_buf
+// (kv_reserve buffers, (B, n_kv_heads, cap, head_dim)) at [offset, offset + L) and attention reads their first
+// offset + L positions (causal within the step when `causal`). freqs: RoPE periods as mx.fast.rope's (then
+// base is unused). Returns [y, k_buf', v_buf'], the last two sharing k_buf's / v_buf's memory.
+struct DecoderBlockConfig {
+  int group_size, bits, n_heads, n_kv_heads, head_dim, rope_dims;
+  bool traditional;
+  float base, rope_scale, attn_scale, eps1, eps2;
+};
+std::vector<mx::array> decoder_block(const mx::array& x, const std::vector<mx::array>& weights, const mx::array& k_buf,
+                                     const mx::array& v_buf, int offset, bool causal, const DecoderBlockConfig& config,
+                                     const std::optional<mx::array>& freqs = std::nullopt);
+
 }  // namespace mlxinfer_cpu

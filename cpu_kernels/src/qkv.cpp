@@ -19,12 +19,6 @@ namespace mlxinfer_cpu {
 
 namespace {
 
-struct RopeSpec {
-  int dims;  // rotated leading dims of each head (<= head_dim, even); 0 = no RoPE
-  bool traditional;
-  float base, scale;
-};
-
 class NativeQkvRope : public mx::Primitive {
  public:
   NativeQkvRope(mx::Stream s, int group_size, int bits, int n_heads, int n_kv_heads, int head_dim, RopeSpec rope,
@@ -58,20 +52,6 @@ class NativeQkvRope : public mx::Primitive {
   bool has_freqs_;  // then RoPE periods (dims / 2,): theta_i = position * scale / freqs[i] (Llama-3 scaling)
 };
 
-// flat (B*L, H*D) row-major -> out (B, H, L, D), rotating the first `dims` of each head at position offset + l
-// as mx.fast.rope does (base, or Llama-3 style periods).
-void scatter_heads(const float* flat, float* out, int B, int L, int H, int D, const RopeSpec& rope, int offset,
-                   const float* periods = nullptr) {
-  const int half = rope.dims / 2;
-  std::vector<float> cs, sn;
-  rope_table(L, half, rope.base, rope.scale, offset, periods, cs, sn);
-  for (int b = 0; b < B; ++b)
-    for (int l = 0; l < L; ++l)
-      for (int h = 0; h < H; ++h)
-        rope_row(flat + ((size_t)(b * L + l) * H + h) * D, out + ((size_t)(b * H + h) * L + l) * D, D, rope.dims,
-                 rope.traditional, cs.data() + (size_t)l * half, sn.data() + (size_t)l * half);
-}
-
 void NativeQkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
@@ -96,9 +76,9 @@ void NativeQkvRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
     qmm_float(x, {{&in[1], &in[2], &in[3], fq.data()}, {&in[4], &in[5], &in[6], fk.data()},
                       {&in[7], &in[8], &in[9], fv.data()}},
               gs, bits);
-    scatter_heads(fq.data(), out[0].data<float>(), B, L, hq, d, rope, offset, periods);
-    scatter_heads(fk.data(), out[1].data<float>(), B, L, hkv, d, rope, offset, periods);
-    scatter_heads(fv.data(), out[2].data<float>(), B, L, hkv, d, RopeSpec{0, false, 1.f, 1.f}, 0);
+    scatter_heads(fq.data(), out[0].data<float>(), B, L, hq, d, rope, offset, periods, L, 0);
+    scatter_heads(fk.data(), out[1].data<float>(), B, L, hkv, d, rope, offset, periods, L, 0);
+    scatter_heads(fv.data(), out[2].data<float>(), B, L, hkv, d, RopeSpec{0, false, 1.f, 1.f}, 0, nullptr, L, 0);
   });
 }
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "qmm_kernels.h"
 
 namespace mlxinfer_cpu {
 
@@ -17,6 +18,8 @@ struct QWeight {
 // out_i = x @ dequant(w_i).T for weights sharing K, group_size and bits (N may differ): x (..., K) is prepared
 // once and the row tasks of all weights go to the thread pool as one job.
 void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits);
+// The same for a float32 x (M, K) in memory (the fused block's intermediate rows).
+void qmm_float(const float* x, int M, int K, const std::vector<QWeight>& ws, int group_size, int bits);
 
 // RMSNorm of float32 rows (as mx.fast.rms_norm), in norm_rope.cpp; rms_normed returns a new evaluated array
 // (for ops that normalise their input first: the x of a fused block step is read once per row anyway).
@@ -30,8 +33,26 @@ void rope_table(int L, int half, float base, float scale, int offset, const floa
                 std::vector<float>& sn);
 void rope_row(const float* x, float* y, int D, int dims, bool traditional, const float* c, const float* s);
 
+// Attention as the sdpa op runs it (attention.cpp): the task plan (query blocks, split-K for decode) on the pool.
+void sdpa_exec(const SdpaArgs& a);
+
+struct RopeSpec {
+  int dims;  // rotated leading dims of each head (<= head_dim, even); 0 = no RoPE
+  bool traditional;
+  float base, scale;
+};
+
+// flat (B*L, H*D) row-major -> out (B, H, cap, D) at positions pos0 + l (cap = L, pos0 = 0: a plain (B, H, L, D)
+// tensor; else a KV-cache buffer), rotating the first `dims` of each head at position offset + l as mx.fast.rope
+// does (base, or Llama-3 style periods). In norm_rope.cpp.
+void scatter_heads(const float* flat, float* out, int B, int L, int H, int D, const RopeSpec& rope, int offset,
+                   const float* periods, int cap, int pos0);
+
 // Checks one (w, scales, biases) against x for an op named `op` (throws std::invalid_argument); returns N.
 int check_quantized_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits, const char* op);
+// The same for an x whose last dim is x_k.
+int check_quantized_weight(int x_k, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits, const char* op);
 
 }  // namespace mlxinfer_cpu

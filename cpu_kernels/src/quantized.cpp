@@ -221,15 +221,18 @@ std::vector<RowTask> split_rows(const std::vector<QmmArgs>& args, int rows) {
 }  // namespace
 
 void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {
+  thread_local std::vector<float> xbuf;
+  const int K = x.shape(-1);
+  qmm_float(x_as_float(x, xbuf), static_cast<int>(x.size() / K), K, ws, group_size, bits);
+}
+
+void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, int group_size, int bits) {
   const KernelSet& ks = select_kernels();
   SpinPool& pool = SpinPool::get();
-  const int K = x.shape(-1);
-  const int M = static_cast<int>(x.size() / K);
   const int ng = K / group_size;
   const int nw = static_cast<int>(ws.size());
 
-  thread_local std::vector<float> xbuf, xprep, xsum, scratch;
-  const float* xf = x_as_float(x, xbuf);
+  thread_local std::vector<float> xprep, xsum, scratch;
   std::vector<QmmArgs> args(nw);
   for (int i = 0; i < nw; ++i) {
     QmmArgs& a = args[i];
@@ -303,15 +306,21 @@ void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_siz
 
 int check_quantized_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                  int group_size, int bits, const char* op) {
+  if (x.ndim() < 1 || !is_float(x.dtype()))
+    throw std::invalid_argument(std::string("[mlxinfer_cpu.") + op + "] x must be float32, float16 or bfloat16");
+  return check_quantized_weight(x.shape(-1), w, scales, biases, group_size, bits, op);
+}
+
+int check_quantized_weight(int x_k, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits, const char* op) {
   auto fail = [op](const std::string& msg) { throw std::invalid_argument(std::string("[mlxinfer_cpu.") + op + "] " + msg); };
   if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
   if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array");
-  if (x.ndim() < 1 || !is_float(x.dtype())) fail("x must be float32, float16 or bfloat16");
   if (!is_float(scales.dtype()) || biases.dtype() != scales.dtype()) fail("scales and biases must share a float dtype");
   const int N = w.shape(0);
   const int K = w.shape(1) * 32 / bits;
-  if (x.shape(-1) != K) fail("x's last dim does not match the quantized weight");
+  if (x_k != K) fail("x's last dim does not match the quantized weight");
   if (scales.ndim() != 2 || scales.shape(0) != N || scales.shape(1) != K / group_size ||
       biases.shape() != scales.shape())
     fail("scales/biases must have shape (N, K / group_size)");

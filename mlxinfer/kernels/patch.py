@@ -34,6 +34,7 @@ import mlx.nn as nn
 
 from mlxinfer.engine.backend import backend
 from mlxinfer.errors import InvalidParameter, MlxinferError
+from mlxinfer.kernels.fused_block import native_block
 from mlxinfer.kernels.provider import KernelProvider
 
 ENV_VAR = "MLXINFER_KERNELS"
@@ -352,7 +353,12 @@ def _llama_block_source() -> str:
 
 def _block_call(base: type) -> Callable:
     def __call__(self, x, mask=None, cache=None):
-        # The norms run inside the next op, the skip connections inside o_proj / down_proj.
+        # The whole layer as one op when the provider has one (fused_block.py), else: the norms run inside the
+        # next op, the skip connections inside o_proj / down_proj.
+        if cache is not None:
+            y = native_block(self, x, mask, cache)
+            if y is not None:
+                return y
         h = self.self_attn(x, mask, cache, residual=x, norm=self.input_layernorm)
         return self.mlp(h, residual=h, norm=self.post_attention_layernorm)
 

@@ -7,7 +7,9 @@ provider only needs to cover the cases it is good at.
 Required methods: ``quantized_matmul`` and ``sdpa``. Optional methods (looked up with ``getattr``, so CPU
 providers may leave them out): ``quantized_sdpa`` (attention over mlx-lm's ``QuantizedKVCache``),
 ``swiglu`` (the fused ``silu(x·Wg) * (x·Wu)`` decode step), ``rms_norm``, ``rope``, ``quantized_embedding``
-(the embedding lookup) and ``qkv_rope`` (an attention block's projections, head split and RoPE as one op).
+(the embedding lookup), ``qkv_rope`` (an attention block's projections, head split and RoPE as one op) and
+``decoder_block`` with ``block_config``/``kv_reserve``/``array_id``/``array_handle`` (a whole llama layer as one
+op that writes the KV cache in place; its contract is in ``kernels.fused_block``).
 """
 
 from __future__ import annotations

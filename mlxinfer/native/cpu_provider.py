@@ -112,6 +112,41 @@ class NativeCpuProvider:
         except _REJECTED:
             return None
 
+    def block_config(self, *, group_size: int, bits: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                     rope_dims: int, traditional: bool, base: Optional[float], rope_scale: float, attn_scale: float,
+                     eps1: float, eps2: float):
+        """The fixed part of a ``decoder_block`` call (made once per layer: converting ~20 arguments every call
+        costs more than the op's dispatch)."""
+        return (int(group_size), int(bits), int(n_heads), int(n_kv_heads), int(head_dim), int(rope_dims),
+                bool(traditional), float(base if base is not None else 0.0), float(rope_scale), float(attn_scale),
+                float(eps1), float(eps2))
+
+    def decoder_block(self, x, weights: list, k_buf, v_buf, *, offset: int, causal: bool, config,
+                      freqs=None) -> Optional[tuple]:
+        """A llama decoder layer (x (B, L, hidden) float32 -> same) as one op, writing this step's keys and values
+        into ``k_buf``/``v_buf`` IN PLACE at ``offset``: only for buffers from ``kv_reserve`` that nothing else
+        reads at or past ``offset`` (``kernels.fused_block`` keeps that promise). ``weights``: w, scales, biases
+        of q, k, v, o, gate, up, down, then the two RMSNorm weights (23 arrays); ``config`` from
+        ``block_config``. Returns (y, k_buf', v_buf'): the buffers after the write, the same memory (what the
+        cache must hold so that evaluating it runs the op), or None."""
+        try:
+            return tuple(self._ext.decoder_block(x, weights, k_buf, v_buf, offset, causal, config, freqs))
+        except _REJECTED:
+            return None
+
+    def kv_reserve(self, shape, src=None, valid: int = 0) -> mx.array:
+        """A fresh float32 KV buffer ``shape`` (B, heads, capacity, dim), zeros, with ``src``'s first ``valid``
+        positions copied in: the only kind of buffer ``decoder_block`` may write into."""
+        return self._ext.kv_reserve(list(shape), src, valid=valid)
+
+    def array_id(self, a) -> int:
+        """The identity of ``a``'s MLX array descriptor (``a[i] = v`` keeps the Python object, changes this)."""
+        return self._ext.array_id(a)
+
+    def array_handle(self, a) -> mx.array:
+        """A new Python object on ``a``'s descriptor: holding it keeps that identity from being reused."""
+        return self._ext.array_handle(a)
+
     def kv_append(self, k_buf, v_buf, k, v, offset: int):
         """mlx-lm ``KVCache.update_and_fetch`` when the buffers have room: k/v (B, H, L, D) written at
         ``offset`` of the (B, H, capacity, D) buffers in one op (in place when nothing else holds them).

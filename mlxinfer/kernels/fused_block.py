@@ -1,0 +1,119 @@
+"""A whole llama decoder layer as one provider op (``decoder_block``), the KV cache written in place.
+
+Why: on MLX's CPU backend each graph op costs ~7 us of Python, graph building and dispatch, and a SmolLM2
+decode step is small enough for that to matter (7 fused ops x 30 layers was ~20% of a step). ``patch.py``'s
+fused llama blocks call :func:`native_block` first and fall back to their per-op path when it returns None.
+
+The in-place promise. MLX arrays are values; ``decoder_block`` writes this step's keys and values into the two
+buffers it is given, at ``[offset, offset + L)``. This module is its only caller and keeps that safe:
+
+* it passes only buffers that ``kv_reserve`` allocated for this cache (fresh memory: never a view of another
+  array, never a buffer donated by one), recognised by MLX descriptor identity (``array_id``): mlx-lm's own update
+  (``keys[...] = k`` rebinds the Python object to a new array) or ``cache.state = ...`` hands the cache other
+  arrays, and the next call copies them into a fresh buffer instead;
+* it writes only at or past the high-water mark of what the cache ever held in that buffer: whoever took the
+  buffer (``cache.state``) or a slice of it reads below the offset of that moment. After ``cache.trim`` the next
+  call copies into a fresh buffer first, so positions a holder may still read are never overwritten.
+
+Like mlx-lm's ``KVCache``, the buffers grow in steps of ``cache.step`` positions (a copy into a larger buffer).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_TAG = "_mlxinfer_kv"  # KVCache attribute: [k handle, v handle, k id, v id, high-water mark]
+_CONFIG = "_native_block_config"  # block attribute: (the provider's block_config, head_dim), or False
+_LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+            ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
+    """``block(x, mask, cache)`` for a fused llama-source decoder block (``patch._block_call``) as one provider op,
+    or None when this call is not one the op takes (then nothing has changed but, perhaps, the cache's buffers)."""
+    from mlx_lm.models.cache import KVCache
+
+    config = block.__dict__.get(_CONFIG)
+    if config is None:
+        config = block.__dict__[_CONFIG] = _block_config(block)
+    if (config is False or type(cache) is not KVCache or x.ndim != 3 or x.dtype != mx.float32
+            or not isinstance(cache.offset, int)):
+        return None
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        return None
+    provider = block._kernel_provider
+    attn = block["self_attn"]
+    buffers = _owned_buffers(provider, cache, (x.shape[0], attn.n_kv_heads, config[1]), x.shape[1])
+    if buffers is None:
+        return None
+    # Dict lookups, not attributes: nn.Module attribute access is a Python __getattr__ (~0.2 us each).
+    weights = []
+    for parent, name in _LINEARS:
+        lin = block[parent][name]
+        weights += (lin["weight"], lin["scales"], lin["biases"])
+    weights += (block["input_layernorm"]["weight"], block["post_attention_layernorm"]["weight"])
+    out = provider.decoder_block(x, weights, *buffers, offset=cache.offset, causal=mask is not None, config=config[0],
+                                 freqs=getattr(attn["rope"], "_freqs", None))
+    if out is None:  # a model the op does not take: stop asking for this block
+        block.__dict__[_CONFIG] = False
+        return None
+    y, k, v = out
+    cache.keys, cache.values = k, v  # the same memory; evaluating them runs the op (mx.eval(cache.state))
+    cache.offset += x.shape[1]
+    _tag(provider, cache, k, v)
+    return y
+
+
+def _block_config(block):
+    """(The provider's fixed arguments for this block, head_dim), or False when its layers are not all the op's
+    kind."""
+    from mlxinfer.kernels.patch import _rope_kwargs
+
+    provider = block._kernel_provider
+    attn = block.self_attn
+    layers = [getattr(getattr(block, parent), name) for parent, name in _LINEARS]
+    if (getattr(provider, "block_config", None) is None
+            or not all(isinstance(q, nn.QuantizedLinear) and q.mode == "affine" and "bias" not in q
+                       and q.get("biases") is not None for q in layers)
+            or len({(q.group_size, q.bits) for q in layers}) != 1):
+        return False
+    rope = _rope_kwargs(attn.rope)
+    head_dim = attn.q_proj["weight"].shape[0] // attn.n_heads
+    config = provider.block_config(
+        group_size=layers[0].group_size, bits=layers[0].bits, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
+        head_dim=head_dim, rope_dims=attn.rope.dims, traditional=attn.rope.traditional, base=rope["base"],
+        rope_scale=rope["scale"], attn_scale=attn.scale, eps1=block.input_layernorm.eps,
+        eps2=block.post_attention_layernorm.eps,
+    )
+    return config, head_dim
+
+
+def _owned_buffers(provider, cache, head_shape: tuple, L: int):
+    """(k_buf, v_buf) that ``decoder_block`` may write at ``cache.offset`` (see the module doc), installed in the
+    cache: its own buffers when they qualify, else fresh copies with room for L more positions."""
+    keys, values, offset = cache.keys, cache.values, cache.offset
+    tag = cache.__dict__.get(_TAG)
+    if (tag is not None and keys is not None and offset >= tag[4] and offset + L <= keys.shape[2]
+            and provider.array_id(keys) == tag[2] and provider.array_id(values) == tag[3]):
+        return keys, values
+    B, H, D = head_shape
+    capacity = (offset + L + cache.step - 1) // cache.step * cache.step
+    keep = keys is not None and offset > 0
+    try:
+        k = provider.kv_reserve((B, H, capacity, D), keys if keep else None, valid=offset if keep else 0)
+        v = provider.kv_reserve((B, H, capacity, D), values if keep else None, valid=offset if keep else 0)
+    except (ValueError, TypeError):  # e.g. a cache another model filled (other shapes or dtype)
+        return None
+    cache.keys, cache.values = k, v
+    _tag(provider, cache, k, v)
+    return k, v
+
+
+def _tag(provider, cache, k, v) -> None:
+    """Mark k/v (now cache.keys/values) as this module's, valid up to cache.offset. The tag holds its own
+    handles so that the identities it compares against cannot be reused by other arrays."""
+    cache.__dict__[_TAG] = [provider.array_handle(k), provider.array_handle(v), provider.array_id(k),
+                            provider.array_id(v), cache.offset]
