@@ -1,5 +1,6 @@
 // The DecoderBlock primitive: a whole llama-style decoder layer as one graph node,
 //   h = x + o_proj(attention(rope(q(norm1(x))), K, V))     K, V: the KV cache with this step's rope(k), v
+// (llama; also Qwen2's q/k/v biases and Qwen3's per-head q/k RMSNorms before RoPE)
 //   y = h + down(silu(gate(norm2(h))) * up(norm2(h)))
 // Why: on the CPU backend every MLX op costs ~7 us of graph building and dispatch, and a SmolLM2 decode step
 // spent ~1.5 ms of its ~7.5 ms there with 7 fused ops per layer; this is one per layer. The pieces are the same
@@ -31,16 +32,16 @@ namespace mlxinfer_cpu {
 
 namespace {
 
+// Input order: x, then (w, scales, biases) of q, k, v, o, gate, up, down, then norm1, norm2, k_buf, v_buf, then
+// the optional ones: [q, k, v biases] [q_norm, k_norm weights] [freqs].
+enum : int { kX = 0, kQ = 1, kK = 4, kV = 7, kO = 10, kGate = 13, kUp = 16, kDown = 19, kNorm1 = 22, kNorm2 = 23,
+             kKBuf = 24, kVBuf = 25, kOptional = 26 };
+
 struct BlockSpec {
   DecoderBlockConfig c;
-  bool has_freqs;
   bool causal;
+  int bias_at = -1, qk_norm_at = -1, freqs_at = -1;  // input index of each optional group, -1 when absent
 };
-
-// Input order: x, then (w, scales, biases) of q, k, v, o, gate, up, down, then norm1, norm2, k_buf, v_buf,
-// [freqs].
-enum : int { kX = 0, kQ = 1, kK = 4, kV = 7, kO = 10, kGate = 13, kUp = 16, kDown = 19, kNorm1 = 22, kNorm2 = 23,
-             kKBuf = 24, kVBuf = 25, kFreqs = 26 };
 
 class NativeDecoderBlock : public mx::Primitive {
  public:
@@ -90,13 +91,26 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
   g.resize((size_t)rows * I);
   u.resize((size_t)rows * I);
   const float* xf = x.data<float>();
-  const float* periods = p.has_freqs ? in[kFreqs].data<float>() : nullptr;
+  const float* periods = p.freqs_at >= 0 ? in[p.freqs_at].data<float>() : nullptr;
   const RopeSpec rope{c.rope_dims, c.traditional, c.base, c.rope_scale};
 
   // Attention input side: (rows, E) -> q (B, Hq, L, D) RoPE'd; k RoPE'd and v straight into the cache buffers.
   rms_norm_rows(xf, in[kNorm1].data<float>(), xn.data(), rows, E, c.eps1);
   qmm_float(xn.data(), rows, E, {qweight(in, kQ, fq.data()), qweight(in, kK, fk.data()), qweight(in, kV, fv.data())},
             gs, bits);
+  if (p.bias_at >= 0) {  // Qwen2: q/k/v projections with a bias
+    float* outs[3] = {fq.data(), fk.data(), fv.data()};
+    const int widths[3] = {qd, kvd, kvd};
+    for (int j = 0; j < 3; ++j) {
+      const float* b = in[p.bias_at + j].data<float>();
+      for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < widths[j]; ++i) outs[j][(size_t)r * widths[j] + i] += b[i];
+    }
+  }
+  if (p.qk_norm_at >= 0) {  // Qwen3: an RMSNorm over each head of q and k before RoPE
+    rms_norm_rows(fq.data(), in[p.qk_norm_at].data<float>(), fq.data(), (size_t)rows * hq, d, c.qk_eps);
+    rms_norm_rows(fk.data(), in[p.qk_norm_at + 1].data<float>(), fk.data(), (size_t)rows * hkv, d, c.qk_eps);
+  }
   scatter_heads(fq.data(), qh.data(), B, L, hq, d, rope, offset, periods, L, 0);
   scatter_heads(fk.data(), kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, offset);
   scatter_heads(fv.data(), vbuf.data<float>(), B, L, hkv, d, RopeSpec{0, false, 1.f, 1.f}, 0, nullptr, cap, offset);
@@ -159,7 +173,10 @@ std::vector<mx::array> decoder_block(const mx::array& x, const std::vector<mx::a
                                      const std::optional<mx::array>& freqs) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.decoder_block] " + msg); };
   if (x.ndim() != 3 || x.dtype() != mx::float32) fail("x must be float32 (B, L, hidden)");
-  if (weights.size() != 23) fail("weights: (w, scales, biases) of q, k, v, o, gate, up, down, then the two norms");
+  const size_t n_weights = 23 + (c.qkv_bias ? 3 : 0) + (c.qk_norm ? 2 : 0);
+  if (weights.size() != n_weights)
+    fail("weights: (w, scales, biases) of q, k, v, o, gate, up, down, the two norms, then q/k/v biases and q/k "
+         "norms when the config has them");
   if (c.n_heads <= 0 || c.n_kv_heads <= 0 || c.head_dim <= 0 || c.n_heads % c.n_kv_heads)
     fail("heads must be positive, n_heads a multiple of n_kv_heads");
   if (c.rope_dims < 0 || c.rope_dims % 2 || c.rope_dims > c.head_dim) fail("rope dims must be even and <= head_dim");
@@ -180,18 +197,38 @@ std::vector<mx::array> decoder_block(const mx::array& x, const std::vector<mx::a
         b->shape(3) != c.head_dim || b->shape() != k_buf.shape())
       fail("KV buffers must be float32 (B, n_kv_heads, capacity, head_dim)");
   if (offset < 0 || offset + x.shape(1) > k_buf.shape(2)) fail("no room in the KV buffers at this offset");
+  BlockSpec spec{c, causal};
   std::vector<mx::array> inputs;
-  inputs.reserve(27);
+  inputs.reserve(32);
   inputs.push_back(x);
-  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  inputs.insert(inputs.end(), weights.begin(), weights.begin() + 23);
   inputs.push_back(k_buf);
   inputs.push_back(v_buf);
+  size_t next = 23;
+  if (c.qkv_bias) {
+    spec.bias_at = static_cast<int>(inputs.size());
+    for (int j = 0; j < 3; ++j) {
+      const auto& b = weights[next++];
+      if (b.dtype() != mx::float32 || b.ndim() != 1 || b.shape(0) != (j == 0 ? qd : kvd))
+        fail("q/k/v biases must be float32 (projection width,)");
+      inputs.push_back(b);
+    }
+  }
+  if (c.qk_norm) {
+    spec.qk_norm_at = static_cast<int>(inputs.size());
+    for (int j = 0; j < 2; ++j) {
+      const auto& w = weights[next++];
+      if (w.dtype() != mx::float32 || w.ndim() != 1 || w.shape(0) != c.head_dim)
+        fail("q/k norm weights must be float32 (head_dim,)");
+      inputs.push_back(w);
+    }
+  }
   if (freqs) {
     if (freqs->dtype() != mx::float32 || freqs->ndim() != 1 || freqs->shape(0) != c.rope_dims / 2)
       fail("rope freqs must be float32 (rope_dims / 2,)");
+    spec.freqs_at = static_cast<int>(inputs.size());
     inputs.push_back(*freqs);
   }
-  BlockSpec spec{c, freqs.has_value(), causal};
   return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<NativeDecoderBlock>(mx::to_stream({}, mx::Device::cpu), spec, offset),
                                 std::move(inputs));

@@ -69,10 +69,14 @@ mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::arra
 // (kv_reserve buffers, (B, n_kv_heads, cap, head_dim)) at [offset, offset + L) and attention reads their first
 // offset + L positions (causal within the step when `causal`). freqs: RoPE periods as mx.fast.rope's (then
 // base is unused). Returns [y, k_buf', v_buf'], the last two sharing k_buf's / v_buf's memory.
+// Options: qkv_bias (Qwen2): q, k, v biases follow the norms in `weights`; qk_norm (Qwen3): then the q_norm and
+// k_norm weights (head_dim,), an RMSNorm (eps qk_eps) over each head of q and k before RoPE.
 struct DecoderBlockConfig {
   int group_size, bits, n_heads, n_kv_heads, head_dim, rope_dims;
   bool traditional;
   float base, rope_scale, attn_scale, eps1, eps2;
+  bool qkv_bias = false, qk_norm = false;
+  float qk_eps = 0.f;
 };
 std::vector<mx::array> decoder_block(const mx::array& x, const std::vector<mx::array>& weights, const mx::array& k_buf,
                                      const mx::array& v_buf, int offset, bool causal, const DecoderBlockConfig& config,

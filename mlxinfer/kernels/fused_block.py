@@ -26,20 +26,28 @@ import mlx.core as mx
 import mlx.nn as nn
 
 _TAG = "_mlxinfer_kv"  # KVCache attribute: [k handle, v handle, k id, v id, high-water mark]
-_CONFIG = "_native_block_config"  # block attribute: (the provider's block_config, head_dim), or False
+CONFIG_ATTR = "_native_block_config"  # block attribute: (provider config, head_dim, extra paths), or False
 _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+_QKV_BIASES = (("self_attn", "q_proj", "bias"), ("self_attn", "k_proj", "bias"), ("self_attn", "v_proj", "bias"))
+_QK_NORMS = (("self_attn", "q_norm", "weight"), ("self_attn", "k_norm", "weight"))
+
+
+def prepare(block, attention: str) -> bool:
+    """Decide once whether ``block`` (llama's block code, with ``attention`` "llama" or "qwen3" source code, the
+    block's ``_kernel_provider`` set) runs as one ``decoder_block`` op; True when it does."""
+    config = _block_config(block, attention)
+    block.__dict__[CONFIG_ATTR] = config
+    return config is not False
 
 
 def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
-    """``block(x, mask, cache)`` for a fused llama-source decoder block (``patch._block_call``) as one provider op,
-    or None when this call is not one the op takes (then nothing has changed but, perhaps, the cache's buffers)."""
+    """``block(x, mask, cache)`` for a prepared block as one provider op, or None when this call is not one the op
+    takes (then nothing has changed but, perhaps, the cache's buffers)."""
     from mlx_lm.models.cache import KVCache
 
-    config = block.__dict__.get(_CONFIG)
-    if config is None:
-        config = block.__dict__[_CONFIG] = _block_config(block)
-    if (config is False or type(cache) is not KVCache or x.ndim != 3 or x.dtype != mx.float32
+    config = block.__dict__.get(CONFIG_ATTR)
+    if (not config or type(cache) is not KVCache or x.ndim != 3 or x.dtype != mx.float32
             or not isinstance(cache.offset, int)):
         return None
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
@@ -55,10 +63,12 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
         lin = block[parent][name]
         weights += (lin["weight"], lin["scales"], lin["biases"])
     weights += (block["input_layernorm"]["weight"], block["post_attention_layernorm"]["weight"])
-    out = provider.decoder_block(x, weights, *buffers, offset=cache.offset, causal=mask is not None, config=config[0],
-                                 freqs=getattr(attn["rope"], "_freqs", None))
+    for parent, name, key in config[2]:
+        weights.append(block[parent][name][key])
+    out = provider.decoder_block(x, weights, *buffers, offset=cache.offset, causal=mask is not None,
+                                 config=config[0], freqs=getattr(attn["rope"], "_freqs", None))
     if out is None:  # a model the op does not take: stop asking for this block
-        block.__dict__[_CONFIG] = False
+        block.__dict__[CONFIG_ATTR] = False
         return None
     y, k, v = out
     cache.keys, cache.values = k, v  # the same memory; evaluating them runs the op (mx.eval(cache.state))
@@ -67,28 +77,44 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
     return y
 
 
-def _block_config(block):
-    """(The provider's fixed arguments for this block, head_dim), or False when its layers are not all the op's
-    kind."""
-    from mlxinfer.kernels.patch import _rope_kwargs
+def _block_config(block, attention: str):
+    """(The provider's fixed arguments for this block, head_dim, paths of the extra weights), or False when its
+    parts are not all the op's kind."""
+    from mlxinfer.kernels.patch import _plain_rope, _rope_kwargs
 
     provider = block._kernel_provider
-    attn = block.self_attn
-    layers = [getattr(getattr(block, parent), name) for parent, name in _LINEARS]
-    if (getattr(provider, "block_config", None) is None
-            or not all(isinstance(q, nn.QuantizedLinear) and q.mode == "affine" and "bias" not in q
-                       and q.get("biases") is not None for q in layers)
-            or len({(q.group_size, q.bits) for q in layers}) != 1):
+    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    try:
+        layers = [getattr(getattr(block, parent), name) for parent, name in _LINEARS]
+    except AttributeError:
         return False
+    norms = [getattr(block, "input_layernorm", None), getattr(block, "post_attention_layernorm", None)]
+    with_bias = ["bias" in q for q in layers]
+    if (getattr(provider, "block_config", None) is None
+            or not all(isinstance(q, nn.QuantizedLinear) and q.mode == "affine" and q.get("biases") is not None
+                       for q in layers)
+            or len({(q.group_size, q.bits) for q in layers}) != 1
+            or any(with_bias[3:]) or with_bias[:3] not in ([False] * 3, [True] * 3)
+            or not all(isinstance(n, nn.RMSNorm) for n in norms)
+            or not all(hasattr(attn, a) for a in ("n_heads", "n_kv_heads", "scale"))
+            or not _plain_rope(getattr(attn, "rope", None)) or not callable(mlp)):
+        return False
+    extras = _QKV_BIASES if with_bias[0] else ()
+    qk_eps = 0.0
+    if attention == "qwen3":
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if not (isinstance(qn, nn.RMSNorm) and isinstance(kn, nn.RMSNorm) and qn.eps == kn.eps):
+            return False
+        extras, qk_eps = extras + _QK_NORMS, qn.eps
     rope = _rope_kwargs(attn.rope)
     head_dim = attn.q_proj["weight"].shape[0] // attn.n_heads
     config = provider.block_config(
         group_size=layers[0].group_size, bits=layers[0].bits, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
         head_dim=head_dim, rope_dims=attn.rope.dims, traditional=attn.rope.traditional, base=rope["base"],
-        rope_scale=rope["scale"], attn_scale=attn.scale, eps1=block.input_layernorm.eps,
-        eps2=block.post_attention_layernorm.eps,
+        rope_scale=rope["scale"], attn_scale=attn.scale, eps1=norms[0].eps, eps2=norms[1].eps,
+        qkv_bias=with_bias[0], qk_norm=attention == "qwen3", qk_eps=qk_eps,
     )
-    return config, head_dim
+    return config, head_dim, extras
 
 
 def _owned_buffers(provider, cache, head_shape: tuple, L: int):

@@ -34,6 +34,7 @@ import mlx.nn as nn
 
 from mlxinfer.engine.backend import backend
 from mlxinfer.errors import InvalidParameter, MlxinferError
+from mlxinfer.kernels import fused_block
 from mlxinfer.kernels.fused_block import native_block
 from mlxinfer.kernels.provider import KernelProvider
 
@@ -98,7 +99,7 @@ def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
     n_mlp = _swap_mlps(model, provider)
     routed = _swap_small_ops(model, provider)
     routed["fused q/k/v+RoPE attention inputs"] = _swap_attention_inputs(model, provider)
-    routed["blocks with fused skip connections"] = _swap_blocks(model, provider)
+    routed["blocks with fused skip connections"], routed["decoder layers as one op"] = _swap_blocks(model, provider)
     modules = _swap_attention(model, provider)
     extra = "".join(f", {n} {what}" for what, n in routed.items() if n)
     detail = (
@@ -117,6 +118,7 @@ def restore_builtin(model: nn.Module) -> None:
         elif getattr(type(m), "_fused_base", None) is not None:
             m.__class__ = type(m)._fused_base
             m.__dict__.pop("_kernel_provider", None)
+            m.__dict__.pop(fused_block.CONFIG_ATTR, None)
         elif type(m) in _ROUTED_BASES:
             m.__class__ = _ROUTED_BASES[type(m)]
             m.__dict__.pop("_kernel_provider", None)
@@ -203,9 +205,14 @@ def _swap_fused(model: nn.Module, provider: KernelProvider, method: str, kind: s
 def _unfused_source(m: nn.Module) -> str:
     cls = getattr(type(m), "_fused_base", None) or type(m)
     try:
-        return inspect.getsource(cls.__call__)
+        return _code_lines(inspect.getsource(cls.__call__))
     except (OSError, TypeError):
         return ""
+
+
+def _code_lines(source: str) -> str:
+    """A method's source without blank and comment lines (mlx-lm's copies of llama's code differ in those)."""
+    return "\n".join(line.rstrip() for line in source.splitlines() if line.strip() and not line.strip().startswith("#"))
 
 
 def _plain_quantized(layers: list) -> bool:
@@ -254,7 +261,14 @@ def _swap_mlps(model: nn.Module, provider: KernelProvider) -> int:
 def _llama_attention_source() -> str:
     from mlx_lm.models import llama
 
-    return inspect.getsource(llama.Attention.__call__)
+    return _code_lines(inspect.getsource(llama.Attention.__call__))
+
+
+@functools.lru_cache(maxsize=None)
+def _qwen3_attention_source() -> str:
+    from mlx_lm.models import qwen3
+
+    return _code_lines(inspect.getsource(qwen3.Attention.__call__))
 
 
 def _attention_call(base: type) -> Callable:
@@ -348,7 +362,7 @@ def _swap_attention_inputs(model: nn.Module, provider: KernelProvider) -> int:
 def _llama_block_source() -> str:
     from mlx_lm.models import llama
 
-    return inspect.getsource(llama.TransformerBlock.__call__)
+    return _code_lines(inspect.getsource(llama.TransformerBlock.__call__))
 
 
 def _block_call(base: type) -> Callable:
@@ -359,24 +373,40 @@ def _block_call(base: type) -> Callable:
             y = native_block(self, x, mask, cache)
             if y is not None:
                 return y
+        if not _fused_parts(self):  # a block only the whole-layer op covers (e.g. Qwen3's q/k norms)
+            return base.__call__(self, x, mask, cache)
         h = self.self_attn(x, mask, cache, residual=x, norm=self.input_layernorm)
         return self.mlp(h, residual=h, norm=self.post_attention_layernorm)
 
     return __call__
 
 
-def _is_plain_block(m: nn.Module) -> bool:
+def _fused_parts(m: nn.Module) -> bool:
+    """The block's attention and MLP are the fused ones above (they take residual= and norm=)."""
     fused = lambda sub, kind: type(sub) is _FUSED_CLASSES.get((kind, getattr(type(sub), "_fused_base", None)))  # noqa: E731
-    return (
-        fused(getattr(m, "self_attn", None), "attention") and fused(getattr(m, "mlp", None), "swiglu")
-        and all(type(getattr(m, n, None)) in (nn.RMSNorm, KernelRMSNorm)
-                for n in ("input_layernorm", "post_attention_layernorm"))
-        and _unfused_source(m) == _llama_block_source()
-    )
+    return fused(getattr(m, "self_attn", None), "attention") and fused(getattr(m, "mlp", None), "swiglu")
 
 
-def _swap_blocks(model: nn.Module, provider: KernelProvider) -> int:
-    return _swap_fused(model, provider, "quantized_matmul", "block", _is_plain_block, _block_call)
+def _swap_blocks(model: nn.Module, provider: KernelProvider) -> Tuple[int, int]:
+    """Blocks with llama's block code: (swapped, of which run as one ``decoder_block`` op)."""
+    swapped = native = 0
+    for _, m in model.named_modules():
+        if not (all(type(getattr(m, n, None)) in (nn.RMSNorm, KernelRMSNorm)
+                    for n in ("input_layernorm", "post_attention_layernorm"))
+                and _unfused_source(m) == _llama_block_source()):
+            continue
+        source = _unfused_source(getattr(m, "self_attn", None))
+        attention = {_llama_attention_source(): "llama", _qwen3_attention_source(): "qwen3"}.get(source)
+        m._kernel_provider = provider
+        one_op = attention is not None and getattr(provider, "decoder_block", None) is not None and \
+            fused_block.prepare(m, attention)
+        if one_op or _fused_parts(m):
+            base = getattr(type(m), "_fused_base", None) or type(m)
+            m.__class__ = _fused_subclass("block", base, _block_call)
+            swapped, native = swapped + 1, native + bool(one_op)
+        else:
+            m.__dict__.pop("_kernel_provider", None)
+    return swapped, native
 
 
 # Small per-token ops that are a large share of decode time on the CPU backend, where MLX dispatch per op is

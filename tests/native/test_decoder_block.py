@@ -10,16 +10,22 @@ import pytest
 pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
 
 
-def _reference(x, ws, n1, n2, k_old, v_old, c, freqs, causal):
+def _reference(x, ws, n1, n2, k_old, v_old, c, freqs, causal, extras):
     """The layer in MLX ops: returns (y, keys, values) with keys/values the whole valid cache."""
-    gs, bits, hq, hkv, D, dims, trad, base, rscale, ascale, e1, e2 = c
+    gs, bits, hq, hkv, D, dims, trad, base, rscale, ascale, e1, e2, qkv_bias, qk_norm, qk_eps = c
     B, L, _ = x.shape
     mm = lambda a, t: mx.quantized_matmul(a, *t, transpose=True, group_size=gs, bits=bits)  # noqa: E731
     rope = lambda a: mx.fast.rope(a, dims, traditional=trad, base=None if freqs is not None else base,  # noqa: E731
                                   scale=rscale, offset=k_old.shape[2], freqs=freqs)
     heads = lambda a, n: a.reshape(B, L, n, D).transpose(0, 2, 1, 3)  # noqa: E731
     xn = mx.fast.rms_norm(x, n1, e1)
-    q, k, v = rope(heads(mm(xn, ws[0]), hq)), rope(heads(mm(xn, ws[1]), hkv)), heads(mm(xn, ws[2]), hkv)
+    q, k, v = mm(xn, ws[0]), mm(xn, ws[1]), mm(xn, ws[2])
+    if qkv_bias:  # Qwen2
+        q, k, v = q + extras[0], k + extras[1], v + extras[2]
+    q, k, v = heads(q, hq), heads(k, hkv), heads(v, hkv)
+    if qk_norm:  # Qwen3: per head, before RoPE
+        q, k = mx.fast.rms_norm(q, extras[-2], qk_eps), mx.fast.rms_norm(k, extras[-1], qk_eps)
+    q, k = rope(q), rope(k)
     keys, values = mx.concatenate([k_old, k], axis=2), mx.concatenate([v_old, v], axis=2)
     o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=ascale, mask="causal" if causal else None)
     h = x + mm(o.transpose(0, 2, 1, 3).reshape(B, L, -1), ws[3])
@@ -27,18 +33,21 @@ def _reference(x, ws, n1, n2, k_old, v_old, c, freqs, causal):
     return h + mm(nn.silu(mm(hn, ws[4])) * mm(hn, ws[5]), ws[6]), keys, values
 
 
-# (B, L, hidden, intermediate, n_heads, n_kv_heads, head_dim, rope dims, traditional, offset, group, bits, llama3)
+# (B, L, hidden, intermediate, n_heads, n_kv_heads, head_dim, rope dims, traditional, offset, group, bits, llama3,
+#  q/k/v bias, q/k norm)
 CASES = [
-    (1, 1, 576, 1536, 9, 3, 64, 64, False, 37, 32, 4, False),  # SmolLM2 decode
-    (2, 5, 256, 384, 4, 2, 64, 32, False, 3, 64, 4, False),  # batch, prefill chunk after 3 tokens, partial rotary
-    (1, 1, 256, 512, 8, 2, 32, 32, True, 200, 64, 8, False),  # traditional RoPE, 8-bit, long cache (split-K)
-    (1, 3, 128, 256, 4, 4, 32, 32, False, 0, 128, 4, True),  # first chunk, no GQA, Llama-3 RoPE periods
+    (1, 1, 576, 1536, 9, 3, 64, 64, False, 37, 32, 4, False, False, False),  # SmolLM2 decode
+    (2, 5, 256, 384, 4, 2, 64, 32, False, 3, 64, 4, False, False, False),  # batch, prefill chunk, partial rotary
+    (1, 1, 256, 512, 8, 2, 32, 32, True, 200, 64, 8, False, False, False),  # traditional, 8-bit, split-K cache
+    (1, 3, 128, 256, 4, 4, 32, 32, False, 0, 128, 4, True, False, False),  # first chunk, no GQA, Llama-3 periods
+    (1, 2, 256, 384, 4, 2, 64, 64, False, 9, 64, 4, False, True, False),  # Qwen2: q/k/v biases
+    (2, 1, 256, 384, 4, 2, 64, 64, False, 9, 64, 4, False, False, True),  # Qwen3: per-head q/k RMSNorms
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_mlx_and_writes_the_cache_in_place(native_ext, case):
-    B, L, E, I, hq, hkv, D, dims, trad, offset, gs, bits, llama3 = case
+    B, L, E, I, hq, hkv, D, dims, trad, offset, gs, bits, llama3, qkv_bias, qk_norm = case
     mx.random.seed(sum(case))
     shapes = [(hq * D, E), (hkv * D, E), (hkv * D, E), (E, hq * D), (I, E), (I, E), (E, I)]
     ws = [mx.quantize(mx.random.normal(s) * 0.1, group_size=gs, bits=bits) for s in shapes]
@@ -50,10 +59,12 @@ def test_matches_mlx_and_writes_the_cache_in_place(native_ext, case):
     k_buf = native_ext.kv_reserve([B, hkv, cap, D], k_old if offset else None, valid=offset)
     v_buf = native_ext.kv_reserve([B, hkv, cap, D], v_old if offset else None, valid=offset)
     mx.eval(k_buf, v_buf)
-    c = (gs, bits, hq, hkv, D, dims, trad, 10000.0, 1.0, D**-0.5, 1e-5, 1e-5)
-    weights = [a for t in ws for a in t] + [n1, n2]
+    c = (gs, bits, hq, hkv, D, dims, trad, 10000.0, 1.0, D**-0.5, 1e-5, 1e-5, qkv_bias, qk_norm, 1e-6)
+    extras = [mx.random.normal((n * D,)) for n in (hq, hkv, hkv)] if qkv_bias else []
+    extras += [1 + 0.2 * mx.random.normal((D,)) for _ in range(2)] if qk_norm else []
+    weights = [a for t in ws for a in t] + [n1, n2] + extras
     y, k2, v2 = native_ext.decoder_block(x, weights, k_buf, v_buf, offset, L > 1, c, freqs)
-    ref_y, ref_k, ref_v = _reference(x, ws, n1, n2, k_old, v_old, c, freqs, L > 1)
+    ref_y, ref_k, ref_v = _reference(x, ws, n1, n2, k_old, v_old, c, freqs, L > 1, extras)
     mx.eval(y, k2, v2)
     assert y.shape == x.shape and k2.shape == (B, hkv, cap, D)
     assert mx.abs(y - ref_y).max().item() <= 2e-4 * mx.abs(ref_y).max().item()
@@ -69,7 +80,7 @@ def test_rejects_bad_arguments(native_ext):
           [(64, 64), (32, 64), (32, 64), (64, 64), (96, 64), (96, 64), (64, 96)]]
     weights = [a for t in ws for a in t] + [mx.ones((64,)), mx.ones((64,))]
     kb = native_ext.kv_reserve([1, 1, 8, 32])
-    c = (32, 4, 2, 1, 32, 32, False, 10000.0, 1.0, 0.18, 1e-5, 1e-5)
+    c = (32, 4, 2, 1, 32, 32, False, 10000.0, 1.0, 0.18, 1e-5, 1e-5, False, False, 0.0)
     x = mx.random.normal((1, 1, 64))
     native_ext.decoder_block(x, weights, kb, kb, 0, False, c)  # accepted
     with pytest.raises(ValueError, match="room"):
@@ -80,6 +91,8 @@ def test_rejects_bad_arguments(native_ext):
         native_ext.decoder_block(x.astype(mx.float16), weights, kb, kb, 0, False, c)
     with pytest.raises(ValueError, match="KV buffers"):
         native_ext.decoder_block(x, weights, native_ext.kv_reserve([1, 2, 8, 32]), kb, 0, False, c)
+    with pytest.raises(ValueError, match="biases"):  # the config says biases follow: none given
+        native_ext.decoder_block(x, weights, kb, kb, 0, False, c[:12] + (True, False, 0.0))
     with pytest.raises(ValueError, match="valid"):
         native_ext.kv_reserve([1, 1, 8, 32], mx.zeros((1, 1, 4, 32)), valid=5)
 
