@@ -74,32 +74,24 @@ class NativeKvReserve : public mx::UnaryPrimitive {
   NativeKvReserve(mx::Stream s, int valid) : mx::UnaryPrimitive(s), valid_(valid) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    std::vector<mx::array> in;
-    for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), valid = valid_]() mutable {
-      std::memset(out.data<float>(), 0, out.nbytes());
+    const int valid = valid_;
+    dispatch_contiguous(stream(), inputs, out, [valid](std::vector<mx::array>& in, mx::array& o) {
+      std::memset(o.data<float>(), 0, o.nbytes());
       if (in.empty() || valid == 0) return;
-      mx::array src = in[0].flags().row_contiguous ? in[0] : row_contiguous_copy(in[0]);
-      // src (B, H, S, D) positions [0, valid) -> out (B, H, capacity, D)
-      const int B = out.shape(0), H = out.shape(1), cap = out.shape(2), D = out.shape(3), S = src.shape(2);
+      // src (B, H, S, D) positions [0, valid) -> o (B, H, capacity, D)
+      const int B = o.shape(0), H = o.shape(1), cap = o.shape(2), D = o.shape(3), S = in[0].shape(2);
       for (int b = 0; b < B; ++b)
         for (int h = 0; h < H; ++h)
-          std::memcpy(out.data<float>() + ((size_t)b * H + h) * cap * D,
-                      src.data<float>() + ((size_t)b * H + h) * S * D, sizeof(float) * valid * D);
+          std::memcpy(o.data<float>() + ((size_t)b * H + h) * cap * D,
+                      in[0].data<float>() + ((size_t)b * H + h) * S * D, sizeof(float) * valid * D);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("[mlxinfer_cpu] kv_reserve runs on the CPU stream only");
   }
   const char* name() const override { return "MlxinferKvReserve"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const NativeKvReserve*>(&other);
-    return o && o->valid_ == valid_;
-  }
+  // Never merged with another node (mx.compile's common-subexpression pass): every buffer must be its own memory.
+  bool is_equivalent(const mx::Primitive& other) const override { return this == &other; }
 
  private:
   int valid_;
