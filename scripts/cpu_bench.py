@@ -28,7 +28,7 @@ import json, sys, time
 from llama_cpp import Llama
 cfg = json.loads(sys.argv[1])
 llm = Llama(model_path=cfg["model"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
-            n_ctx=cfg["ctx"], n_batch=512, verbose=False)
+            n_ctx=cfg["ctx"], n_batch=cfg["ctx"], verbose=False)  # one batch: scores hold its rows only
 prompt = cfg["prompt"]
 results = []
 for _ in range(cfg["rounds"]):
@@ -194,7 +194,8 @@ def main() -> int:
     else:
         loaded = mlxinfer.load(str(bundled_gguf()), kernels="builtin")
         model, per_token = loaded.model, None
-        text = "Once upon a time, in a kingdom by the sea, there lived a curious young inventor. " * 40
+        text = "Once upon a time, in a kingdom by the sea, there lived a curious young inventor. " * (
+            1 + args.prompt_tokens // 16)
         prompt = loaded.tokenizer.encode(text)[: args.prompt_tokens]
         engines = [e for e in ("llama.cpp", "builtin", "native") if e in args.engines.split(",")]
         if "llama.cpp" in engines and not Path(args.llama_python).exists():
@@ -205,7 +206,8 @@ def main() -> int:
     for r in range(args.rounds):
         for engine in engines:
             if engine == "llama.cpp":
-                cfg = {"model": str(bundled_gguf()), "threads": args.threads, "ctx": 1024, "prompt": prompt,
+                cfg = {"model": str(bundled_gguf()), "threads": args.threads,
+                       "ctx": len(prompt) + args.gen_tokens + 16, "prompt": prompt,
                        "gen": args.gen_tokens, "rounds": 1}
                 out = subprocess.run([args.llama_python, "-c", LLAMA_CODE, json.dumps(cfg)], capture_output=True,
                                      text=True, check=True).stdout.strip().splitlines()[-1]
