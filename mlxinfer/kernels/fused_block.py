@@ -1,8 +1,8 @@
-"""A whole llama decoder layer as one provider op (``decoder_block``), the KV cache written in place.
+"""A whole llama / Qwen2 / Qwen3 decoder layer as one provider op (``decoder_block``), the KV cache written in place.
 
 Why: on MLX's CPU backend each graph op costs ~7 us of Python, graph building and dispatch, and a SmolLM2
-decode step is small enough for that to matter (7 fused ops x 30 layers was ~20% of a step). ``patch.py``'s
-fused llama blocks call :func:`native_block` first and fall back to their per-op path when it returns None.
+decode step is small enough for that to matter (7 fused ops x 30 layers was ~20% of a step). ``fused_llama``'s
+blocks call :func:`native_block` first and fall back to their per-op path when it returns None.
 
 The in-place promise. MLX arrays are values; ``decoder_block`` writes this step's keys and values into the two
 buffers it is given, at ``[offset, offset + L)``. This module is its only caller and keeps that safe:
@@ -80,7 +80,7 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
 def _block_config(block, attention: str):
     """(The provider's fixed arguments for this block, head_dim, paths of the extra weights), or False when its
     parts are not all the op's kind."""
-    from mlxinfer.kernels.patch import _plain_rope, _rope_kwargs
+    from mlxinfer.kernels.fused_llama import plain_rope, rope_kwargs
 
     provider = block._kernel_provider
     attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
@@ -97,7 +97,7 @@ def _block_config(block, attention: str):
             or any(with_bias[3:]) or with_bias[:3] not in ([False] * 3, [True] * 3)
             or not all(isinstance(n, nn.RMSNorm) for n in norms)
             or not all(hasattr(attn, a) for a in ("n_heads", "n_kv_heads", "scale"))
-            or not _plain_rope(getattr(attn, "rope", None)) or not callable(mlp)):
+            or not plain_rope(getattr(attn, "rope", None)) or not callable(mlp)):
         return False
     extras = _QKV_BIASES if with_bias[0] else ()
     qk_eps = 0.0
@@ -106,7 +106,7 @@ def _block_config(block, attention: str):
         if not (isinstance(qn, nn.RMSNorm) and isinstance(kn, nn.RMSNorm) and qn.eps == kn.eps):
             return False
         extras, qk_eps = extras + _QK_NORMS, qn.eps
-    rope = _rope_kwargs(attn.rope)
+    rope = rope_kwargs(attn.rope)
     head_dim = attn.q_proj["weight"].shape[0] // attn.n_heads
     config = provider.block_config(
         group_size=layers[0].group_size, bits=layers[0].bits, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,

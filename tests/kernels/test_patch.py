@@ -90,7 +90,9 @@ def test_patch_targets_exist_in_installed_mlx_lm():
     assert patch._SWIGLU_CALL in __import__("inspect").getsource(llama.MLP.__call__)
     assert hasattr(cache_lib.QuantizedKVCache(), "bits")
     # The fused attention input matches llama's Attention by its exact source: a tiny llama must qualify.
-    assert patch._is_plain_attention(tiny_llama().model.layers[0].self_attn)
+    from mlxinfer.kernels import fused_llama
+
+    assert fused_llama.is_plain_attention(tiny_llama().model.layers[0].self_attn)
 
 
 def test_routes_through_provider_and_restores(cpu_provider):

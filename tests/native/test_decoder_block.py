@@ -97,33 +97,43 @@ def test_rejects_bad_arguments(native_ext):
         native_ext.kv_reserve([1, 1, 8, 32], mx.zeros((1, 1, 4, 32)), valid=5)
 
 
-def _tiny_llama():
-    from mlx_lm.models import llama
+def _tiny(arch: str = "llama"):
+    """A 2-layer random 4-bit model of mlx-lm's ``arch`` (llama, qwen2: q/k/v biases, qwen3: q/k norms)."""
+    import importlib
 
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    common = dict(model_type=arch, hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300, tie_word_embeddings=True)
+    extra = {"qwen3": dict(head_dim=32, max_position_embeddings=1024, rope_theta=10000.0)}.get(arch, {})
     mx.random.seed(5)
-    model = llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=300, tie_word_embeddings=True,
-    ))
+    model = module.Model(module.ModelArgs(**common, **extra))
+    if arch == "qwen2":  # random biases (mlx-lm initialises them to zero), so that they matter
+        for layer in model.model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                lin = getattr(layer.self_attn, name)
+                lin.bias = mx.random.normal(lin.bias.shape) * 0.5
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
     return model
 
 
-def _both(scenario):
-    """scenario(model, cache) on a tiny llama with MLX's built-ins, then with the native kernels: both results."""
+def _both(scenario, arch: str = "llama"):
+    """scenario(model, cache) on a tiny model with MLX's built-ins, then with the native kernels: both results."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxinfer.kernels import fused_block
     from mlxinfer.kernels.patch import apply_kernels
 
-    model, results = _tiny_llama(), []
+    model, results = _tiny(arch), []
     try:
         for mode in ("builtin", "custom"):
             report = apply_kernels(model, mode)
-            assert mode == "builtin" or "2 blocks with fused skip" in report.detail
+            assert mode == "builtin" or "2 decoder layers as one op" in report.detail, report.detail
             cache = make_prompt_cache(model)
             results.append(scenario(model, cache))
             mx.eval(results[-1])
+            if mode == "custom":  # the op ran: no layer fell back to the per-op path
+                assert all(layer.__dict__.get(fused_block.CONFIG_ATTR) for layer in model.model.layers)
     finally:
         apply_kernels(model, "builtin")  # the attention swap is per mlx-lm module
     return results
@@ -135,6 +145,18 @@ def _run(model, cache, tokens):
 
 def _close(a, b):
     return all(mx.abs(x - y).max().item() <= 1e-3 * mx.abs(x).max().item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_model_logits_match_builtin(native_ext, arch):
+    """Prefill, then decode steps: the one-op layers give the built-in logits (Qwen2 biases, Qwen3 q/k norms)."""
+
+    def scenario(model, cache):
+        outs = [_run(model, cache, list(range(30)))]
+        outs += [_run(model, cache, [40 + t]) for t in range(4)]
+        return outs
+
+    assert _close(*_both(scenario, arch))
 
 
 def test_evaluating_the_cache_runs_the_op(native_ext):
