@@ -79,6 +79,8 @@ const KernelSet& select_kernels() {
     if ((want.empty() || want == "avx512vnni") && vnni) return avx512vnni_kernels();
     if ((want.empty() || want == "avx512") && has512) return avx512_kernels();
     if (has2) return avx2_kernels();
+#elif defined(__aarch64__)
+    if (want != "generic") return neon_kernels();  // ASIMD is part of every arm64 CPU
 #endif
     return generic_kernels();
   }();
@@ -95,6 +97,8 @@ SdpaFn select_sdpa() {
 #if defined(__x86_64__) || defined(_M_X64)
     if (isa == "avx512" || isa == "avx512vnni") return avx512_sdpa();
     if (isa == "avx2") return avx2_sdpa();
+#elif defined(__aarch64__)
+    if (isa == "neon") return neon_sdpa();
 #endif
     return generic_sdpa();
   }();

@@ -66,9 +66,12 @@ KernelSet generic_kernels();
 KernelSet avx2_kernels();
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
+#elif defined(__aarch64__)
+KernelSet neon_kernels();
 #endif
 
-// Best set for this CPU (runtime dispatch), or the one forced by MLXINFER_ISA=generic|avx2|avx512.
+// Best set for this CPU (runtime dispatch), or the one forced by MLXINFER_ISA=generic|avx2|avx512|avx512vnni
+// (x86) or generic|neon (arm64).
 const KernelSet& select_kernels();
 
 }  // namespace mlxinfer_cpu
@@ -100,6 +103,8 @@ SdpaFn generic_sdpa();
 #if defined(__x86_64__) || defined(_M_X64)
 SdpaFn avx2_sdpa();
 SdpaFn avx512_sdpa();
+#elif defined(__aarch64__)
+SdpaFn neon_sdpa();
 #endif
 SdpaFn select_sdpa();
 

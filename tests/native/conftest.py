@@ -21,3 +21,4 @@ def native_ext():
     ext = native.extension()
     assert ext is not None, native.status()
     return ext
+

@@ -9,6 +9,7 @@ import textwrap
 
 import mlx.core as mx
 import pytest
+from isa_variants import isa_variants
 
 pytestmark = pytest.mark.slow  # needs the compiled extension
 
@@ -89,13 +90,9 @@ _ISA_SCRIPT = textwrap.dedent(
 
 
 def test_every_isa_variant_and_thread_count(native_ext):
-    """Each attention body this CPU can run (generic, avx2, avx512) on 1 and 3 threads gives MLX's answer."""
-    isas = ["generic"]
-    if native_ext.isa() in ("avx2", "avx512"):
-        isas.append("avx2")
-    if native_ext.isa() == "avx512":
-        isas.append("avx512")
-    for isa in isas:
+    """Each attention body this CPU can run (generic, avx2, avx512 — the VNNI set uses avx512's — or neon) on 1
+    and 3 threads gives MLX's answer."""
+    for isa in isa_variants(native_ext.isa()):
         for threads in ("1", "3"):
             env = {**os.environ, "MLXINFER_ISA": isa, "MLXINFER_THREADS": threads}
             proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True,

@@ -1,0 +1,11 @@
+"""Which native kernel variants a CPU can run (pytest puts this folder on sys.path, as for kernel_cases)."""
+
+from __future__ import annotations
+
+
+def isa_variants(current: str) -> list:
+    """The variants a CPU whose best is ``current`` can run (each CPU that runs one runs those before it)."""
+    for order in (["generic", "avx2", "avx512", "avx512vnni"], ["generic", "neon"]):
+        if current in order:
+            return order[: order.index(current) + 1]
+    return ["generic"]
