@@ -197,6 +197,11 @@ std::vector<mx::array> decoder_block(const mx::array& x, const std::vector<mx::a
         b->shape(3) != c.head_dim || b->shape() != k_buf.shape())
       fail("KV buffers must be float32 (B, n_kv_heads, capacity, head_dim)");
   if (offset < 0 || offset + x.shape(1) > k_buf.shape(2)) fail("no room in the KV buffers at this offset");
+  // Whole row-major buffers (kv_reserve's, or this op's earlier outputs): checked here when already evaluated,
+  // so that the task (where an exception cannot be turned into a fallback) never sees anything else.
+  for (const auto* b : {&k_buf, &v_buf})
+    if (b->is_available() && !(b->flags().row_contiguous && b->data_size() == b->size()))
+      fail("KV buffers must be whole row-major buffers (from kv_reserve)");
   BlockSpec spec{c, causal};
   std::vector<mx::array> inputs;
   inputs.reserve(32);

@@ -91,6 +91,11 @@ def test_rejects_bad_arguments(native_ext):
         native_ext.decoder_block(x.astype(mx.float16), weights, kb, kb, 0, False, c)
     with pytest.raises(ValueError, match="KV buffers"):
         native_ext.decoder_block(x, weights, native_ext.kv_reserve([1, 2, 8, 32]), kb, 0, False, c)
+    with pytest.raises(ValueError, match="row-major"):  # a strided view is not a buffer the op may write
+        big = native_ext.kv_reserve([1, 1, 8, 64])
+        kv = big[..., :32], big[..., 32:]
+        mx.eval(kv)
+        native_ext.decoder_block(x, weights, *kv, 0, False, c)
     with pytest.raises(ValueError, match="biases"):  # the config says biases follow: none given
         native_ext.decoder_block(x, weights, kb, kb, 0, False, c[:12] + (True, False, 0.0))
     with pytest.raises(ValueError, match="valid"):
