@@ -80,26 +80,30 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
     throw std::runtime_error("[mlxinfer_cpu.decoder_block] KV buffers must be whole row-major buffers (kv_reserve)");
   const int B = x.shape(0), L = x.shape(1), E = x.shape(2), rows = B * L;
   const int qd = hq * d, kvd = hkv * d, I = in[kGate].shape(0), cap = kbuf.shape(2);
-  thread_local std::vector<float> xn, fq, fk, fv, qh, attn, h, g, u;
-  xn.resize((size_t)rows * E);
-  fq.resize((size_t)rows * qd);
-  fk.resize((size_t)rows * kvd);
-  fv.resize((size_t)rows * kvd);
-  qh.resize((size_t)rows * qd);
-  attn.resize((size_t)rows * qd);
-  h.resize((size_t)rows * E);
-  g.resize((size_t)rows * I);
-  u.resize((size_t)rows * I);
+  // Intermediates in one buffer from MLX's allocator (a prefill chunk's are tens of MB): counted in MLX's peak
+  // memory, returned to its cache when this task ends and released by mx.clear_cache() like any array's.
+  const size_t n_xn = (size_t)rows * E, n_q = (size_t)rows * qd, n_kv = (size_t)rows * kvd, n_i = (size_t)rows * I;
+  mx::array scratch(mx::Shape{static_cast<int>(2 * n_xn + 3 * n_q + 2 * n_kv + 2 * n_i)}, mx::float32, nullptr, {});
+  scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
+  float* xn = scratch.data<float>();  // (rows, E): norm1(x), later norm2(h)
+  float* h = xn + n_xn;               // (rows, E): x + o_proj(attention)
+  float* fq = h + n_xn;               // (rows, Hq * D) projections, then q in (B, Hq, L, D)
+  float* qh = fq + n_q;
+  float* attn = qh + n_q;             // (rows, Hq * D): attention output in o_proj's layout
+  float* fk = attn + n_q;             // (rows, Hkv * D) each
+  float* fv = fk + n_kv;
+  float* g = fv + n_kv;               // (rows, I): gate, then silu(gate) * up
+  float* u = g + n_i;
   const float* xf = x.data<float>();
   const float* periods = p.freqs_at >= 0 ? in[p.freqs_at].data<float>() : nullptr;
   const RopeSpec rope{c.rope_dims, c.traditional, c.base, c.rope_scale};
 
   // Attention input side: (rows, E) -> q (B, Hq, L, D) RoPE'd; k RoPE'd and v straight into the cache buffers.
-  rms_norm_rows(xf, in[kNorm1].data<float>(), xn.data(), rows, E, c.eps1);
-  qmm_float(xn.data(), rows, E, {qweight(in, kQ, fq.data()), qweight(in, kK, fk.data()), qweight(in, kV, fv.data())},
+  rms_norm_rows(xf, in[kNorm1].data<float>(), xn, rows, E, c.eps1);
+  qmm_float(xn, rows, E, {qweight(in, kQ, fq), qweight(in, kK, fk), qweight(in, kV, fv)},
             gs, bits);
   if (p.bias_at >= 0) {  // Qwen2: q/k/v projections with a bias
-    float* outs[3] = {fq.data(), fk.data(), fv.data()};
+    float* outs[3] = {fq, fk, fv};
     const int widths[3] = {qd, kvd, kvd};
     for (int j = 0; j < 3; ++j) {
       const float* b = in[p.bias_at + j].data<float>();
@@ -108,12 +112,12 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
     }
   }
   if (p.qk_norm_at >= 0) {  // Qwen3: an RMSNorm over each head of q and k before RoPE
-    rms_norm_rows(fq.data(), in[p.qk_norm_at].data<float>(), fq.data(), (size_t)rows * hq, d, c.qk_eps);
-    rms_norm_rows(fk.data(), in[p.qk_norm_at + 1].data<float>(), fk.data(), (size_t)rows * hkv, d, c.qk_eps);
+    rms_norm_rows(fq, in[p.qk_norm_at].data<float>(), fq, (size_t)rows * hq, d, c.qk_eps);
+    rms_norm_rows(fk, in[p.qk_norm_at + 1].data<float>(), fk, (size_t)rows * hkv, d, c.qk_eps);
   }
-  scatter_heads(fq.data(), qh.data(), B, L, hq, d, rope, offset, periods, L, 0);
-  scatter_heads(fk.data(), kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, offset);
-  scatter_heads(fv.data(), vbuf.data<float>(), B, L, hkv, d, RopeSpec{0, false, 1.f, 1.f}, 0, nullptr, cap, offset);
+  scatter_heads(fq, qh, B, L, hq, d, rope, offset, periods, L, 0);
+  scatter_heads(fk, kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, offset);
+  scatter_heads(fv, vbuf.data<float>(), B, L, hkv, d, RopeSpec{0, false, 1.f, 1.f}, 0, nullptr, cap, offset);
 
   // Attention over the cache's first offset + L positions, written in o_proj's (B, L, Hq * D) layout.
   SdpaArgs a{};
@@ -125,7 +129,7 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
   a.D = d;
   a.scale = c.attn_scale;
   a.causal = p.causal && L > 1;
-  a.q = qh.data();
+  a.q = qh;
   a.k = kbuf.data<float>();
   a.v = vbuf.data<float>();
   const int64_t qs[3] = {(int64_t)hq * L * d, (int64_t)L * d, d};
@@ -134,19 +138,19 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
     a.qs[i] = qs[i];
     a.ks[i] = a.vs[i] = ks[i];
   }
-  a.out = attn.data();
+  a.out = attn;
   a.heads_last = true;
   sdpa_exec(a);
 
   // h = x + o_proj(attn); y = h + down(silu(gate(norm2(h))) * up(norm2(h))).
-  qmm_float(attn.data(), rows, qd, {qweight(in, kO, h.data())}, gs, bits);
-  for (size_t i = 0; i < h.size(); ++i) h[i] += xf[i];
-  rms_norm_rows(h.data(), in[kNorm2].data<float>(), xn.data(), rows, E, c.eps2);
-  qmm_float(xn.data(), rows, E, {qweight(in, kGate, g.data()), qweight(in, kUp, u.data())}, gs, bits);
-  select_kernels().silu_mul(g.data(), u.data(), g.data(), g.size());
+  qmm_float(attn, rows, qd, {qweight(in, kO, h)}, gs, bits);
+  for (size_t i = 0; i < n_xn; ++i) h[i] += xf[i];
+  rms_norm_rows(h, in[kNorm2].data<float>(), xn, rows, E, c.eps2);
+  qmm_float(xn, rows, E, {qweight(in, kGate, g), qweight(in, kUp, u)}, gs, bits);
+  select_kernels().silu_mul(g, u, g, n_i);
   float* y = out.data<float>();
-  qmm_float(g.data(), rows, I, {qweight(in, kDown, y)}, gs, bits);
-  for (size_t i = 0; i < h.size(); ++i) y[i] += h[i];
+  qmm_float(g, rows, I, {qweight(in, kDown, y)}, gs, bits);
+  for (size_t i = 0; i < n_xn; ++i) y[i] += h[i];
 }
 
 void NativeDecoderBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

@@ -286,17 +286,21 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
   } else {
     const int pm = ks.pack_m;
     const int mblocks = (M + pm - 1) / pm;
-    xprep.assign((size_t)mblocks * K * pm, 0.f);
+    // The packed x of a prefill chunk (up to tens of MB) comes from MLX's allocator: counted in its peak memory
+    // and back in its cache when this call returns, not held by this thread for the life of the process.
+    mx::array packed(mx::Shape{static_cast<int>((size_t)mblocks * K * pm)}, mx::float32, nullptr, {});
+    packed.set_data(mx::allocator::malloc(packed.nbytes()));
+    std::memset(packed.data<float>(), 0, packed.nbytes());
     for (int m = 0; m < M; ++m) {
       const float* xr = xf + (size_t)m * K;
-      float* dst = xprep.data() + (size_t)(m / pm) * K * pm + (m % pm);
+      float* dst = packed.data<float>() + (size_t)(m / pm) * K * pm + (m % pm);
       for (int c = 0; c < K; c += 32)
         for (int p = 0; p < 32; ++p) dst[(size_t)(c + p) * pm] = xr[c + (bits == 4 ? perm4(p) : p)];
     }
     for (const auto& a : args) std::fill(a.out, a.out + (size_t)M * a.N, 0.f);
     scratch.resize((size_t)T * kPackN * kKc);
     float* scr = scratch.data();
-    const float* xp = xprep.data();
+    const float* xp = packed.data<float>();
     const std::vector<RowTask> tasks = split_rows(args, kPackN);
     pool.run(static_cast<int>(tasks.size()), [&](int t, int tid) {
       ks.qmm(args[tasks[t].w], xp, tasks[t].n0, tasks[t].n1, scr + (size_t)tid * kPackN * kKc);
