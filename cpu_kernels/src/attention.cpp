@@ -57,8 +57,9 @@ void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::ar
   a.scale = scale;
   a.causal = causal;
   a.q = q.data<float>();
-  a.k = k.data<float>();
-  a.v = v.data<float>();
+  a.k = k.data<void>();
+  a.v = v.data<void>();
+  a.kv_half = k.dtype() == mx::float16;
   for (int d = 0; d < 3; ++d) {
     a.qs[d] = q.strides()[d];
     a.ks[d] = k.strides()[d];
@@ -142,7 +143,8 @@ mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float
                bool heads_last, int kv_len) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.sdpa] " + msg); };
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) fail("q, k, v must be 4-D (B, heads, len, dim)");
-  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) fail("float32 only");
+  if (q.dtype() != mx::float32 || (k.dtype() != mx::float32 && k.dtype() != mx::float16) || v.dtype() != k.dtype())
+    fail("float32 q, float32 or float16 k and v");
   if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3)) fail("shape mismatch");
   if (k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) fail("query heads must be a multiple of kv heads");
   if (q.shape(3) > 1024) fail("head dim > 1024");

@@ -83,7 +83,7 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
   // Intermediates in one buffer from MLX's allocator (a prefill chunk's are tens of MB): counted in MLX's peak
   // memory, returned to its cache when this task ends and released by mx.clear_cache() like any array's.
   const size_t n_xn = (size_t)rows * E, n_q = (size_t)rows * qd, n_kv = (size_t)rows * kvd, n_i = (size_t)rows * I;
-  mx::array scratch(mx::Shape{static_cast<int>(2 * n_xn + 3 * n_q + 2 * n_kv + 2 * n_i)}, mx::float32, nullptr, {});
+  mx::array scratch(mx::Shape{static_cast<int>(2 * n_xn + 3 * n_q + 4 * n_kv + 2 * n_i)}, mx::float32, nullptr, {});
   scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
   float* xn = scratch.data<float>();  // (rows, E): norm1(x), later norm2(h)
   float* h = xn + n_xn;               // (rows, E): x + o_proj(attention)
@@ -92,7 +92,9 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
   float* attn = qh + n_q;             // (rows, Hq * D): attention output in o_proj's layout
   float* fk = attn + n_q;             // (rows, Hkv * D) each
   float* fv = fk + n_kv;
-  float* g = fv + n_kv;               // (rows, I): gate, then silu(gate) * up
+  float* kh = fv + n_kv;              // (B, Hkv, L, D) each: this step's k (RoPE'd) and v, for a float16 cache
+  float* vh = kh + n_kv;
+  float* g = vh + n_kv;               // (rows, I): gate, then silu(gate) * up
   float* u = g + n_i;
   const float* xf = x.data<float>();
   const float* periods = p.freqs_at >= 0 ? in[p.freqs_at].data<float>() : nullptr;
@@ -116,8 +118,19 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
     rms_norm_rows(fk, in[p.qk_norm_at + 1].data<float>(), fk, (size_t)rows * hkv, d, c.qk_eps);
   }
   scatter_heads(fq, qh, B, L, hq, d, rope, offset, periods, L, 0);
-  scatter_heads(fk, kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, offset);
-  scatter_heads(fv, vbuf.data<float>(), B, L, hkv, d, RopeSpec{0, false, 1.f, 1.f}, 0, nullptr, cap, offset);
+  const RopeSpec no_rope{0, false, 1.f, 1.f};
+  if (kbuf.dtype() == mx::float32) {
+    scatter_heads(fk, kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, offset);
+    scatter_heads(fv, vbuf.data<float>(), B, L, hkv, d, no_rope, 0, nullptr, cap, offset);
+  } else {  // float16 cache: heads split in float32, then each (b, h) run of L rows converted into place
+    scatter_heads(fk, kh, B, L, hkv, d, rope, offset, periods, L, 0);
+    scatter_heads(fv, vh, B, L, hkv, d, no_rope, 0, nullptr, L, 0);
+    for (int bh = 0; bh < B * hkv; ++bh) {
+      const size_t src = (size_t)bh * L * d, dst = ((size_t)bh * cap + offset) * d * sizeof(uint16_t);
+      convert_floats(kh + src, mx::float32, kbuf.data<char>() + dst, mx::float16, (size_t)L * d);
+      convert_floats(vh + src, mx::float32, vbuf.data<char>() + dst, mx::float16, (size_t)L * d);
+    }
+  }
 
   // Attention over the cache's first offset + L positions, written in o_proj's (B, L, Hq * D) layout.
   SdpaArgs a{};
@@ -130,8 +143,9 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
   a.scale = c.attn_scale;
   a.causal = p.causal && L > 1;
   a.q = qh;
-  a.k = kbuf.data<float>();
-  a.v = vbuf.data<float>();
+  a.k = kbuf.data<void>();
+  a.v = vbuf.data<void>();
+  a.kv_half = kbuf.dtype() == mx::float16;
   const int64_t qs[3] = {(int64_t)hq * L * d, (int64_t)L * d, d};
   const int64_t ks[3] = {(int64_t)hkv * cap * d, (int64_t)cap * d, d};
   for (int i = 0; i < 3; ++i) {
@@ -197,9 +211,10 @@ std::vector<mx::array> decoder_block(const mx::array& x, const std::vector<mx::a
     if (weights[i].dtype() != mx::float32 || weights[i].ndim() != 1 || weights[i].shape(0) != E)
       fail("norm weights must be float32 (hidden,)");
   for (const auto* b : {&k_buf, &v_buf})
-    if (b->ndim() != 4 || b->dtype() != mx::float32 || b->shape(0) != x.shape(0) || b->shape(1) != c.n_kv_heads ||
-        b->shape(3) != c.head_dim || b->shape() != k_buf.shape())
-      fail("KV buffers must be float32 (B, n_kv_heads, capacity, head_dim)");
+    if (b->ndim() != 4 || (b->dtype() != mx::float32 && b->dtype() != mx::float16) || b->dtype() != k_buf.dtype() ||
+        b->shape(0) != x.shape(0) || b->shape(1) != c.n_kv_heads || b->shape(3) != c.head_dim ||
+        b->shape() != k_buf.shape())
+      fail("KV buffers must be float32 or float16 (B, n_kv_heads, capacity, head_dim), the same for both");
   if (offset < 0 || offset + x.shape(1) > k_buf.shape(2)) fail("no room in the KV buffers at this offset");
   // Whole row-major buffers (kv_reserve's, or this op's earlier outputs): checked here when already evaluated,
   // so that the task (where an exception cannot be turned into a fallback) never sees anything else.
@@ -238,7 +253,7 @@ std::vector<mx::array> decoder_block(const mx::array& x, const std::vector<mx::a
     spec.freqs_at = static_cast<int>(inputs.size());
     inputs.push_back(*freqs);
   }
-  return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, mx::float32, mx::float32},
+  return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, k_buf.dtype(), v_buf.dtype()},
                                 std::make_shared<NativeDecoderBlock>(mx::to_stream({}, mx::Device::cpu), spec, offset),
                                 std::move(inputs));
 }

@@ -15,6 +15,7 @@
 #include "mlx/primitives.h"
 #include "dispatch.h"
 #include "ops.h"
+#include "qmm_float.h"
 
 namespace mlxinfer_cpu {
 
@@ -76,14 +77,15 @@ class NativeKvReserve : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const int valid = valid_;
     dispatch_contiguous(stream(), inputs, out, [valid](std::vector<mx::array>& in, mx::array& o) {
-      std::memset(o.data<float>(), 0, o.nbytes());
+      std::memset(o.data<char>(), 0, o.nbytes());
       if (in.empty() || valid == 0) return;
-      // src (B, H, S, D) positions [0, valid) -> o (B, H, capacity, D)
+      // src (B, H, S, D) positions [0, valid) -> o (B, H, capacity, D), converted to o's dtype
       const int B = o.shape(0), H = o.shape(1), cap = o.shape(2), D = o.shape(3), S = in[0].shape(2);
+      const size_t oi = o.itemsize(), si = in[0].itemsize();
       for (int b = 0; b < B; ++b)
         for (int h = 0; h < H; ++h)
-          std::memcpy(o.data<float>() + ((size_t)b * H + h) * cap * D,
-                      in[0].data<float>() + ((size_t)b * H + h) * S * D, sizeof(float) * valid * D);
+          convert_floats(in[0].data<char>() + ((size_t)b * H + h) * S * D * si, in[0].dtype(),
+                         o.data<char>() + ((size_t)b * H + h) * cap * D * oi, o.dtype(), (size_t)valid * D);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -99,21 +101,36 @@ class NativeKvReserve : public mx::UnaryPrimitive {
 
 }  // namespace
 
-mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::array>& src, int valid) {
+void convert_floats(const void* src, mx::Dtype st, void* dst, mx::Dtype dt, size_t n) {
+  if (st == dt) {
+    std::memcpy(dst, src, n * mx::size_of(st));
+  } else if (st == mx::float32) {  // -> float16
+    const float* s = static_cast<const float*>(src);
+    auto* d = static_cast<mx::float16_t*>(dst);
+    for (size_t i = 0; i < n; ++i) d[i] = static_cast<mx::float16_t>(s[i]);
+  } else {  // float16 -> float32
+    const auto* s = static_cast<const mx::float16_t*>(src);
+    float* d = static_cast<float*>(dst);
+    for (size_t i = 0; i < n; ++i) d[i] = static_cast<float>(s[i]);
+  }
+}
+
+mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::array>& src, int valid, bool half) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.kv_reserve] " + msg); };
   if (shape.size() != 4 || shape[0] < 1 || shape[1] < 1 || shape[2] < 1 || shape[3] < 1)
     fail("shape must be (B, heads, capacity, dim), all positive");
   if (valid < 0 || valid > shape[2]) fail("valid must be within the capacity");
   std::vector<mx::array> inputs;
   if (src) {
-    if (src->ndim() != 4 || src->dtype() != mx::float32) fail("src must be a float32 (B, heads, len, dim) array");
+    if (src->ndim() != 4 || (src->dtype() != mx::float32 && src->dtype() != mx::float16))
+      fail("src must be a float32 or float16 (B, heads, len, dim) array");
     if (src->shape(0) != shape[0] || src->shape(1) != shape[1] || src->shape(3) != shape[3] || src->shape(2) < valid)
       fail("src does not match the shape or holds fewer than `valid` positions");
     inputs.push_back(*src);
   } else if (valid != 0) {
     fail("valid > 0 needs src");
   }
-  return mx::array(mx::Shape(shape.begin(), shape.end()), mx::float32,
+  return mx::array(mx::Shape(shape.begin(), shape.end()), half ? mx::float16 : mx::float32,
                    std::make_shared<NativeKvReserve>(mx::to_stream({}, mx::Device::cpu), valid), std::move(inputs));
 }
 

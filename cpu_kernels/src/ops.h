@@ -23,7 +23,8 @@ mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, c
                  const mx::array& wu, const mx::array& su, const mx::array& bu, int group_size, int bits,
                  const std::optional<mx::array>& norm_weight = std::nullopt, float norm_eps = 0.f);
 
-// mx.fast.scaled_dot_product_attention for float32 q (B, Hq, L, D), k/v (B, Hkv, S, D), no mask or a
+// mx.fast.scaled_dot_product_attention for float32 q (B, Hq, L, D), k/v (B, Hkv, S, D) float32 or float16 (a
+// float16 KV cache; the output is float32), no mask or a
 // causal one (aligned to the end of the keys). Runs on the CPU stream. heads_last: the output is
 // (B, L, Hq * D) instead of (B, Hq, L, D) (what an o_proj takes, without a transpose copy).
 // kv_len >= 0: only the first kv_len keys/values count (k/v may be whole KV-cache buffers).
@@ -57,18 +58,20 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>
                                 int offset, const std::optional<mx::array>& norm_weight = std::nullopt,
                                 float norm_eps = 0.f, const std::optional<mx::array>& freqs = std::nullopt);
 
-// A fresh (B, heads, capacity, dim) float32 buffer (zeros) holding src's first `valid` positions: the KV-cache
-// buffers decoder_block writes in place (a new allocation, never a view or a donated buffer).
+// A fresh (B, heads, capacity, dim) buffer (zeros), float32 or float16 (`half`), holding src's first `valid`
+// positions (converted): the KV-cache buffers decoder_block writes in place (a new allocation, never a view or a
+// donated buffer).
 mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::array>& src = std::nullopt,
-                     int valid = 0);
+                     int valid = 0, bool half = false);
 
 // A llama-style decoder layer as one op (block.cpp): x (B, L, hidden) float32 ->
 //   h = x + o(sdpa(rope(q(n1)), K, V)),  y = h + down(silu(gate(n2)) * up(n2)),  n1 = rms(x), n2 = rms(h)
 // weights: (w, scales, biases) of q, k, v, o, gate, up, down sharing one group_size/bits, then the norm1 and
 // norm2 weights (23 arrays). This step's rope(k(n1)) and v(n1) are written IN PLACE into k_buf / v_buf
-// (kv_reserve buffers, (B, n_kv_heads, cap, head_dim)) at [offset, offset + L) and attention reads their first
-// offset + L positions (causal within the step when `causal`). freqs: RoPE periods as mx.fast.rope's (then
-// base is unused). Returns [y, k_buf', v_buf'], the last two sharing k_buf's / v_buf's memory.
+// (kv_reserve buffers, (B, n_kv_heads, cap, head_dim), float32 or float16) at [offset, offset + L) and
+// attention reads their first offset + L positions (causal within the step when `causal`). freqs: RoPE periods
+// as mx.fast.rope's (then base is unused). Returns [y, k_buf', v_buf'], the last two sharing k_buf's / v_buf's
+// memory.
 // Options: qkv_bias (Qwen2): q, k, v biases follow the norms in `weights`; qk_norm (Qwen3): then the q_norm and
 // k_norm weights (head_dim,), an RMSNorm (eps qk_eps) over each head of q and k before RoPE.
 struct DecoderBlockConfig {

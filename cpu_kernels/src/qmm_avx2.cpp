@@ -1,4 +1,4 @@
-// AVX2 + FMA kernels (this file alone is compiled with -mavx2 -mfma).
+// AVX2 + FMA kernels (this file alone is compiled with -mavx2 -mfma -mf16c: F16C widens a float16 KV cache).
 #include <immintrin.h>
 
 #include <cmath>
@@ -14,6 +14,9 @@ struct V {
   __m256 r;
   static V zero() { return {_mm256_setzero_ps()}; }
   static V load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static V load_h(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
   static void store(float* p, V a) { _mm256_storeu_ps(p, a.r); }
   static V set1(float f) { return {_mm256_set1_ps(f)}; }
   static V add(V a, V b) { return {_mm256_add_ps(a.r, b.r)}; }

@@ -14,6 +14,9 @@ struct V {
   __m512 r;
   static V zero() { return {_mm512_setzero_ps()}; }
   static V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static V load_h(const uint16_t* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
   static void store(float* p, V a) { _mm512_storeu_ps(p, a.r); }
   static V set1(float f) { return {_mm512_set1_ps(f)}; }
   static V add(V a, V b) { return {_mm512_add_ps(a.r, b.r)}; }

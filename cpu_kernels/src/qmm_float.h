@@ -48,6 +48,9 @@ struct RopeSpec {
 void scatter_heads(const float* flat, float* out, int B, int L, int H, int D, const RopeSpec& rope, int offset,
                    const float* periods, int cap, int pos0);
 
+// n elements float32 <-> float16 (or a plain copy for equal dtypes), in kv_append.cpp.
+void convert_floats(const void* src, mx::Dtype src_type, void* dst, mx::Dtype dst_type, size_t n);
+
 // Checks one (w, scales, biases) against x for an op named `op` (throws std::invalid_argument); returns N.
 int check_quantized_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits, const char* op);

@@ -19,6 +19,7 @@ struct V {
     return a;
   }
   static void store(float* p, V a) { std::memcpy(p, a.f, sizeof(a.f)); }
+  static V load_h(const uint16_t* p);  // 8 IEEE halves (defined after half_to_float, in qmm_impl.inc)
   static V set1(float x) {
     V a;
     for (int i = 0; i < 8; ++i) a.f[i] = x;
@@ -57,6 +58,13 @@ static inline void load_q8(const uint8_t* p, V* q) {
 constexpr int kPackM = 16;
 
 #include "qmm_impl.inc"
+
+V V::load_h(const uint16_t* p) {
+  V a;
+  for (int i = 0; i < 8; ++i) a.f[i] = half_to_float(p[i]);
+  return a;
+}
+
 #include "attn_impl.inc"
 
 }  // namespace isa_generic
@@ -72,7 +80,8 @@ const KernelSet& select_kernels() {
 #if defined(__x86_64__) || defined(_M_X64)
     __builtin_cpu_init();
     const bool has512 = __builtin_cpu_supports("avx512f");
-    const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool has2 =
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     const bool vnni = has512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
     if (want == "generic") return generic_kernels();
     if (want == "avx2" && has2) return avx2_kernels();

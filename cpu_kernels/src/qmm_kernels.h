@@ -78,13 +78,15 @@ const KernelSet& select_kernels();
 
 namespace mlxinfer_cpu {
 
-// Attention over float32 q (B, Hq, L, D), k/v (B, Hkv, S, D), any strides but a unit last one.
-// Query head h reads kv head h / (Hq / Hkv). causal: query i sees keys j <= i + S - L.
+// Attention over float32 q (B, Hq, L, D), k/v (B, Hkv, S, D) float32 or float16 (kv_half), any strides but a unit
+// last one. Query head h reads kv head h / (Hq / Hkv). causal: query i sees keys j <= i + S - L.
 struct SdpaArgs {
   int B, Hq, Hkv, L, S, D;
   float scale;
   bool causal;
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;  // float or uint16_t (IEEE half) elements
+  bool kv_half;
   int64_t qs[3], ks[3], vs[3];  // element strides of dims 0..2
   float* out;                    // (B, Hq, L, D) contiguous, or (B, L, Hq, D) when heads_last
   bool heads_last;               // output rows in (B, L, Hq, D) order: the o_proj input needs no transpose

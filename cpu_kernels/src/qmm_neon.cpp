@@ -18,6 +18,10 @@ struct V {
   float32x4_t a, b;
   static V zero() { return {vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; }
   static V load(const float* p) { return {vld1q_f32(p), vld1q_f32(p + 4)}; }
+  static V load_h(const uint16_t* p) {
+    const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(p));
+    return {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
+  }
   static void store(float* p, V v) {
     vst1q_f32(p, v.a);
     vst1q_f32(p + 4, v.b);

@@ -16,15 +16,20 @@ buffers it is given, at ``[offset, offset + L)``. This module is its only caller
   call copies into a fresh buffer first, so positions a holder may still read are never overwritten.
 
 Like mlx-lm's ``KVCache``, the buffers grow in steps of ``cache.step`` positions (a copy into a larger buffer).
+They hold float16 unless ``MLXINFER_KV_DTYPE=float32`` (see :func:`kv_dtype`).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxinfer.errors import InvalidParameter
+
+KV_DTYPE_ENV = "MLXINFER_KV_DTYPE"
 _TAG = "_mlxinfer_kv"  # KVCache attribute: [k handle, v handle, k id, v id, high-water mark]
 CONFIG_ATTR = "_native_block_config"  # block attribute: (provider config, head_dim, extra paths), or False
 _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
@@ -36,6 +41,7 @@ _QK_NORMS = (("self_attn", "q_norm", "weight"), ("self_attn", "k_norm", "weight"
 def prepare(block, attention: str) -> bool:
     """Decide once whether ``block`` (llama's block code, with ``attention`` "llama" or "qwen3" source code, the
     block's ``_kernel_provider`` set) runs as one ``decoder_block`` op; True when it does."""
+    kv_dtype()  # a bad MLXINFER_KV_DTYPE fails when the model loads, not in the middle of a reply
     config = _block_config(block, attention)
     block.__dict__[CONFIG_ATTR] = config
     return config is not False
@@ -117,6 +123,16 @@ def _block_config(block, attention: str):
     return config, head_dim, extras
 
 
+def kv_dtype() -> mx.Dtype:
+    """The one-op layers' KV-cache dtype: float16 (as llama.cpp's default: half the memory and half of what decode
+    reads at depth; attention still computes in float32), or float32 with ``MLXINFER_KV_DTYPE=float32``."""
+    name = os.environ.get(KV_DTYPE_ENV, "float16").strip().lower() or "float16"
+    if name not in ("float16", "float32"):
+        raise InvalidParameter(f"{KV_DTYPE_ENV}={name!r} is not a KV-cache dtype",
+                               hint=f"set {KV_DTYPE_ENV} to float16 (the default) or float32")
+    return mx.float16 if name == "float16" else mx.float32
+
+
 def _owned_buffers(provider, cache, head_shape: tuple, L: int):
     """(k_buf, v_buf) that ``decoder_block`` may write at ``cache.offset`` (see the module doc), installed in the
     cache: its own buffers when they qualify, else fresh copies with room for L more positions."""
@@ -129,8 +145,10 @@ def _owned_buffers(provider, cache, head_shape: tuple, L: int):
     capacity = (offset + L + cache.step - 1) // cache.step * cache.step
     keep = keys is not None and offset > 0
     try:
-        k = provider.kv_reserve((B, H, capacity, D), keys if keep else None, valid=offset if keep else 0)
-        v = provider.kv_reserve((B, H, capacity, D), values if keep else None, valid=offset if keep else 0)
+        k = provider.kv_reserve((B, H, capacity, D), keys if keep else None, valid=offset if keep else 0,
+                                dtype=kv_dtype())
+        v = provider.kv_reserve((B, H, capacity, D), values if keep else None, valid=offset if keep else 0,
+                                dtype=kv_dtype())
     except (ValueError, TypeError):  # e.g. a cache another model filled (other shapes or dtype)
         return None
     cache.keys, cache.values = k, v

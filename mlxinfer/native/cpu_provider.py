@@ -136,10 +136,12 @@ class NativeCpuProvider:
         except _REJECTED:
             return None
 
-    def kv_reserve(self, shape, src=None, valid: int = 0) -> mx.array:
-        """A fresh float32 KV buffer ``shape`` (B, heads, capacity, dim), zeros, with ``src``'s first ``valid``
-        positions copied in: the only kind of buffer ``decoder_block`` may write into."""
-        return self._ext.kv_reserve(list(shape), src, valid=valid)
+    def kv_reserve(self, shape, src=None, valid: int = 0, dtype=mx.float32) -> mx.array:
+        """A fresh KV buffer ``shape`` (B, heads, capacity, dim) of ``dtype`` (float32 or float16), zeros, with
+        ``src``'s first ``valid`` positions copied in: the only kind of buffer ``decoder_block`` may write into."""
+        if dtype not in (mx.float32, mx.float16):
+            raise ValueError(f"KV buffers are float32 or float16, not {dtype}")
+        return self._ext.kv_reserve(list(shape), src, valid=valid, half=dtype == mx.float16)
 
     def array_id(self, a) -> int:
         """The identity of ``a``'s MLX array descriptor (``a[i] = v`` keeps the Python object, changes this)."""

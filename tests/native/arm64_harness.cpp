@@ -1,4 +1,4 @@
-// Checks the arm64 kernel sets without MLX: cross-compiled with the kernel sources and run under qemu-aarch64 by
+// Checks the arm64 kernel sets without MLX (arm64 only): cross-compiled with the kernel sources and run under qemu-aarch64 by
 // test_arm64_cross.py. Each set (portable "generic" and "neon") runs the decode matvec, the prefill matmul, the
 // SwiGLU gate and attention on random data; results are compared with a float64 reference. Exit status 0 = all
 // within tolerance; the failures are printed otherwise.
@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -84,9 +85,26 @@ static void check_matmul(const KernelSet& ks, int M, int N, int K, int gs, int b
         out, ref);
 }
 
-static void check_attention(const char* isa, SdpaFn fn, int L, bool causal) {
+// float -> IEEE half bits and back (the ARM compilers' __fp16: this harness is built for arm64 only).
+static uint16_t to_half(float f) {
+  const __fp16 h = static_cast<__fp16>(f);
+  uint16_t b;
+  std::memcpy(&b, &h, 2);
+  return b;
+}
+static float from_half(uint16_t b) {
+  __fp16 h;
+  std::memcpy(&h, &b, 2);
+  return static_cast<float>(h);
+}
+
+static void check_attention(const char* isa, SdpaFn fn, int L, bool causal, bool half) {
   const int B = 1, Hq = 4, Hkv = 2, S = 70, D = 64, group = Hq / Hkv;
   std::vector<float> q = randn((size_t)B * Hq * L * D), k = randn((size_t)B * Hkv * S * D), v = randn((size_t)B * Hkv * S * D);
+  std::vector<uint16_t> kh(k.size()), vh(v.size());
+  if (half) {  // a float16 KV cache: the reference sees the rounded values
+    for (size_t i = 0; i < k.size(); ++i) k[i] = from_half(kh[i] = to_half(k[i])), v[i] = from_half(vh[i] = to_half(v[i]));
+  }
   const float scale = 0.125f;
   std::vector<double> ref((size_t)B * Hq * L * D, 0.0);
   for (int h = 0; h < Hq; ++h)
@@ -107,7 +125,10 @@ static void check_attention(const char* isa, SdpaFn fn, int L, bool causal) {
     }
   SdpaArgs a{};
   a.B = B, a.Hq = Hq, a.Hkv = Hkv, a.L = L, a.S = S, a.D = D, a.scale = scale, a.causal = causal;
-  a.q = q.data(), a.k = k.data(), a.v = v.data();
+  a.q = q.data();
+  a.k = half ? static_cast<const void*>(kh.data()) : k.data();
+  a.v = half ? static_cast<const void*>(vh.data()) : v.data();
+  a.kv_half = half;
   const int64_t qs[3] = {(int64_t)Hq * L * D, (int64_t)L * D, D}, ks[3] = {(int64_t)Hkv * S * D, (int64_t)S * D, D};
   for (int d = 0; d < 3; ++d) a.qs[d] = qs[d], a.ks[d] = a.vs[d] = ks[d];
   std::vector<float> out(ref.size(), 0.f);
@@ -117,7 +138,8 @@ static void check_attention(const char* isa, SdpaFn fn, int L, bool causal) {
   const int nq = std::max(1, std::min(L, std::max(1, 48 / group)));
   const int units = B * Hkv * ((L + nq - 1) / nq);
   for (int t = 0; t < units; ++t) fn(a, t, nq | (1 << 12));
-  check(std::string(isa) + " attention L=" + std::to_string(L) + (causal ? " causal" : ""), out, ref);
+  check(std::string(isa) + " attention L=" + std::to_string(L) + (causal ? " causal" : "") + (half ? " f16 kv" : ""),
+        out, ref);
 }
 
 static void check_silu(const KernelSet& ks) {
@@ -129,13 +151,8 @@ static void check_silu(const KernelSet& ks) {
 }
 
 int main() {
-#if defined(__aarch64__)
   const KernelSet sets[] = {generic_kernels(), neon_kernels()};
   const SdpaFn sdpas[] = {generic_sdpa(), neon_sdpa()};
-#else
-  const KernelSet sets[] = {generic_kernels()};
-  const SdpaFn sdpas[] = {generic_sdpa()};
-#endif
   for (int i = 0; i < static_cast<int>(sizeof(sets) / sizeof(sets[0])); ++i) {
     const KernelSet& ks = sets[i];
     for (int bits : {4, 8})
@@ -146,9 +163,11 @@ int main() {
       }
     check_matmul(ks, 1, 17, 288, 32, 4);  // K % 64 == 32: a half block at the end
     check_silu(ks);
-    check_attention(ks.isa, sdpas[i], 1, false);
-    check_attention(ks.isa, sdpas[i], 5, true);
-    check_attention(ks.isa, sdpas[i], 30, true);
+    for (bool half : {false, true}) {
+      check_attention(ks.isa, sdpas[i], 1, false, half);
+      check_attention(ks.isa, sdpas[i], 5, true, half);
+      check_attention(ks.isa, sdpas[i], 30, true, half);
+    }
   }
   std::printf("%d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;

@@ -26,8 +26,8 @@ def _need(*tools: str) -> None:
 
 
 def test_neon_and_portable_kernels_under_qemu(tmp_path):
-    """Decode matvec, prefill matmul (bits 4/8, groups 32/64/128), SwiGLU gate and attention of the generic and
-    NEON sets against a float64 reference (tests/native/arm64_harness.cpp)."""
+    """Decode matvec, prefill matmul (bits 4/8, groups 32/64/128), SwiGLU gate and attention (float32 and float16
+    KV) of the generic and NEON sets against a float64 reference (tests/native/arm64_harness.cpp)."""
     _need(CXX, QEMU)
     exe = tmp_path / "harness"
     sources = [Path(__file__).with_name("arm64_harness.cpp"), SRC / "qmm_generic.cpp", SRC / "qmm_neon.cpp"]
@@ -35,7 +35,7 @@ def test_neon_and_portable_kernels_under_qemu(tmp_path):
                    check=True, capture_output=True, text=True, timeout=300)
     run = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "neon attention L=30 causal" in run.stdout and "0 failure(s)" in run.stdout
+    assert "neon attention L=30 causal f16 kv" in run.stdout and "0 failure(s)" in run.stdout
 
 
 def test_every_source_compiles_for_arm64(tmp_path):

@@ -47,6 +47,25 @@ def test_matches_mlx(native_ext, B, Hq, Hkv, L, S, D, causal):
     assert mx.allclose(out, ref, atol=1e-5, rtol=1e-5), mx.abs(out - ref).max().item()
 
 
+@pytest.mark.parametrize("L,S,D,causal", [(1, 77, 64, False), (1, 2048, 64, False), (5, 300, 72, True),
+                                           (40, 40, 64, True), (1, 30, 7, False)])
+def test_float16_kv(native_ext, L, S, D, causal):
+    """A float16 KV cache (what the one-op layers keep): K/V widened as loaded, the same result as MLX's float32
+    attention over those float16 values (test_every_isa_variant_and_thread_count runs it on each ISA body)."""
+    mx.random.seed(L + S)
+    q = mx.random.normal((1, 9, L, D))
+    k = mx.random.normal((1, 3, S + 5, D)).astype(mx.float16)[:, :, :S]
+    v = mx.random.normal((1, 3, S + 5, D)).astype(mx.float16)[:, :, :S]
+    mask = "causal" if causal else None
+    ref = mx.fast.scaled_dot_product_attention(q, k.astype(mx.float32), v.astype(mx.float32), scale=D**-0.5,
+                                               mask=mask)
+    out = native_ext.sdpa(q, k, v, scale=D**-0.5, causal=causal)
+    assert out.dtype == mx.float32
+    assert mx.allclose(out, ref, atol=1e-5, rtol=1e-5), mx.abs(out - ref).max().item()
+    with pytest.raises(ValueError, match="float16"):
+        native_ext.sdpa(q, k, v.astype(mx.float32), scale=0.1)
+
+
 def test_peaked_scores(native_ext):
     """Large scores: most probabilities underflow to 0 (exp of very negative and -inf inputs). Scores this large
     lose digits in float32 either way, so both kernels are held to a float64 reference."""
@@ -78,13 +97,15 @@ _ISA_SCRIPT = textwrap.dedent(
     for B, Hq, Hkv, L, S, D, causal in [(1, 9, 3, 1, 1500, 64, False), (1, 9, 3, 8, 1100, 64, True),
                                         (1, 6, 2, 200, 260, 48, True), (1, 2, 1, 1, 70, 72, False)]:
         q = mx.random.normal((B, Hq, L, D))
-        k = mx.random.normal((B, Hkv, S + 3, D))[:, :, :S]
-        v = mx.random.normal((B, Hkv, S + 3, D))[:, :, :S]
-        mask = "causal" if causal else None
-        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
-        out = ext.sdpa(q, k, v, scale=D**-0.5, causal=causal)
-        if not mx.allclose(out, ref, atol=1e-5, rtol=1e-5).item():
-            sys.exit(f"{(B, Hq, Hkv, L, S, D, causal)} err={mx.abs(out - ref).max().item()}")
+        for dt in (mx.float32, mx.float16):  # float16: a float16 KV cache, widened per ISA as it is loaded
+            k = mx.random.normal((B, Hkv, S + 3, D)).astype(dt)[:, :, :S]
+            v = mx.random.normal((B, Hkv, S + 3, D)).astype(dt)[:, :, :S]
+            mask = "causal" if causal else None
+            ref = mx.fast.scaled_dot_product_attention(q, k.astype(mx.float32), v.astype(mx.float32),
+                                                       scale=D**-0.5, mask=mask)
+            out = ext.sdpa(q, k, v, scale=D**-0.5, causal=causal)
+            if not mx.allclose(out, ref, atol=1e-5, rtol=1e-5).item():
+                sys.exit(f"{(B, Hq, Hkv, L, S, D, causal, dt)} err={mx.abs(out - ref).max().item()}")
     """
 )
 

@@ -34,20 +34,22 @@ def _reference(x, ws, n1, n2, k_old, v_old, c, freqs, causal, extras):
 
 
 # (B, L, hidden, intermediate, n_heads, n_kv_heads, head_dim, rope dims, traditional, offset, group, bits, llama3,
-#  q/k/v bias, q/k norm)
+#  q/k/v bias, q/k norm, float16 KV cache)
 CASES = [
-    (1, 1, 576, 1536, 9, 3, 64, 64, False, 37, 32, 4, False, False, False),  # SmolLM2 decode
-    (2, 5, 256, 384, 4, 2, 64, 32, False, 3, 64, 4, False, False, False),  # batch, prefill chunk, partial rotary
-    (1, 1, 256, 512, 8, 2, 32, 32, True, 200, 64, 8, False, False, False),  # traditional, 8-bit, split-K cache
-    (1, 3, 128, 256, 4, 4, 32, 32, False, 0, 128, 4, True, False, False),  # first chunk, no GQA, Llama-3 periods
-    (1, 2, 256, 384, 4, 2, 64, 64, False, 9, 64, 4, False, True, False),  # Qwen2: q/k/v biases
-    (2, 1, 256, 384, 4, 2, 64, 64, False, 9, 64, 4, False, False, True),  # Qwen3: per-head q/k RMSNorms
+    (1, 1, 576, 1536, 9, 3, 64, 64, False, 37, 32, 4, False, False, False, False),  # SmolLM2 decode
+    (1, 1, 576, 1536, 9, 3, 64, 64, False, 37, 32, 4, False, False, False, True),  # ... with a float16 cache
+    (2, 5, 256, 384, 4, 2, 64, 32, False, 3, 64, 4, False, False, False, False),  # batch, prefill chunk, partial
+    (2, 5, 256, 384, 4, 2, 64, 32, False, 3, 64, 4, False, False, False, True),  # rotary (and float16)
+    (1, 1, 256, 512, 8, 2, 32, 32, True, 200, 64, 8, False, False, False, True),  # traditional, 8-bit, split-K
+    (1, 3, 128, 256, 4, 4, 32, 32, False, 0, 128, 4, True, False, False, False),  # first chunk, no GQA, Llama-3
+    (1, 2, 256, 384, 4, 2, 64, 64, False, 9, 64, 4, False, True, False, False),  # Qwen2: q/k/v biases
+    (2, 1, 256, 384, 4, 2, 64, 64, False, 9, 64, 4, False, False, True, True),  # Qwen3: per-head q/k RMSNorms
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_matches_mlx_and_writes_the_cache_in_place(native_ext, case):
-    B, L, E, I, hq, hkv, D, dims, trad, offset, gs, bits, llama3, qkv_bias, qk_norm = case
+    B, L, E, I, hq, hkv, D, dims, trad, offset, gs, bits, llama3, qkv_bias, qk_norm, half = case
     mx.random.seed(sum(case))
     shapes = [(hq * D, E), (hkv * D, E), (hkv * D, E), (E, hq * D), (I, E), (I, E), (E, I)]
     ws = [mx.quantize(mx.random.normal(s) * 0.1, group_size=gs, bits=bits) for s in shapes]
@@ -56,8 +58,10 @@ def test_matches_mlx_and_writes_the_cache_in_place(native_ext, case):
     freqs = mx.power(10000.0, mx.arange(0, dims, 2) / dims) * (1 + mx.arange(dims // 2) / dims) if llama3 else None
     k_old, v_old = mx.random.normal((B, hkv, offset, D)), mx.random.normal((B, hkv, offset, D))
     cap = offset + L + 7
-    k_buf = native_ext.kv_reserve([B, hkv, cap, D], k_old if offset else None, valid=offset)
-    v_buf = native_ext.kv_reserve([B, hkv, cap, D], v_old if offset else None, valid=offset)
+    k_buf = native_ext.kv_reserve([B, hkv, cap, D], k_old if offset else None, valid=offset, half=half)
+    v_buf = native_ext.kv_reserve([B, hkv, cap, D], v_old if offset else None, valid=offset, half=half)
+    if half:  # the reference sees what the cache holds
+        k_old, v_old = k_old.astype(mx.float16).astype(mx.float32), v_old.astype(mx.float16).astype(mx.float32)
     mx.eval(k_buf, v_buf)
     c = (gs, bits, hq, hkv, D, dims, trad, 10000.0, 1.0, D**-0.5, 1e-5, 1e-5, qkv_bias, qk_norm, 1e-6)
     extras = [mx.random.normal((n * D,)) for n in (hq, hkv, hkv)] if qkv_bias else []
@@ -66,10 +70,12 @@ def test_matches_mlx_and_writes_the_cache_in_place(native_ext, case):
     y, k2, v2 = native_ext.decoder_block(x, weights, k_buf, v_buf, offset, L > 1, c, freqs)
     ref_y, ref_k, ref_v = _reference(x, ws, n1, n2, k_old, v_old, c, freqs, L > 1, extras)
     mx.eval(y, k2, v2)
-    assert y.shape == x.shape and k2.shape == (B, hkv, cap, D)
-    assert mx.abs(y - ref_y).max().item() <= 2e-4 * mx.abs(ref_y).max().item()
+    assert y.shape == x.shape and k2.shape == (B, hkv, cap, D) and y.dtype == mx.float32
+    assert k2.dtype == (mx.float16 if half else mx.float32)
+    tol = 2e-3 if half else 2e-4  # float16 keeps 11 significant bits
+    assert mx.abs(y - ref_y).max().item() <= tol * mx.abs(ref_y).max().item()
     for got, ref in ((k2, ref_k), (v2, ref_v)):
-        assert mx.abs(got[:, :, : offset + L] - ref).max().item() <= 2e-4 * mx.abs(ref).max().item()
+        assert mx.abs(got[:, :, : offset + L] - ref).max().item() <= tol * mx.abs(ref).max().item()
         assert mx.all(got[:, :, offset + L:] == 0).item()  # kv_reserve's zeros past the new positions
     # In place: the input buffers hold the new positions too (the outputs are their memory).
     assert mx.array_equal(k_buf, k2).item() and mx.array_equal(v_buf, v2).item()
@@ -152,9 +158,12 @@ def _close(a, b):
     return all(mx.abs(x - y).max().item() <= 1e-3 * mx.abs(x).max().item() for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_model_logits_match_builtin(native_ext, arch):
-    """Prefill, then decode steps: the one-op layers give the built-in logits (Qwen2 biases, Qwen3 q/k norms)."""
+@pytest.mark.parametrize("arch,kv", [("llama", "float16"), ("llama", "float32"), ("qwen2", "float16"),
+                                     ("qwen3", "float16")])
+def test_model_logits_match_builtin(native_ext, arch, kv, monkeypatch):
+    """Prefill, then decode steps: the one-op layers give the built-in logits (Qwen2 biases, Qwen3 q/k norms),
+    with the default float16 KV cache and with MLXINFER_KV_DTYPE=float32."""
+    monkeypatch.setenv("MLXINFER_KV_DTYPE", kv)
 
     def scenario(model, cache):
         outs = [_run(model, cache, list(range(30)))]
@@ -162,6 +171,27 @@ def test_model_logits_match_builtin(native_ext, arch):
         return outs
 
     assert _close(*_both(scenario, arch))
+
+
+def test_kv_dtype_setting(native_ext, monkeypatch):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxinfer.errors import InvalidParameter
+    from mlxinfer.kernels.patch import apply_kernels
+
+    model = _tiny()
+    try:
+        for name, dtype in (("float32", mx.float32), ("", mx.float16)):
+            monkeypatch.setenv("MLXINFER_KV_DTYPE", name)
+            apply_kernels(model, "custom")
+            cache = make_prompt_cache(model)
+            _run(model, cache, [1, 2, 3])
+            assert cache[0].keys.dtype == dtype
+        monkeypatch.setenv("MLXINFER_KV_DTYPE", "int8")
+        with pytest.raises(InvalidParameter, match="MLXINFER_KV_DTYPE"):
+            apply_kernels(model, "custom")  # when the model loads, not mid-reply
+    finally:
+        apply_kernels(model, "builtin")
 
 
 def test_evaluating_the_cache_runs_the_op(native_ext):
