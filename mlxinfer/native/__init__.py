@@ -9,8 +9,8 @@ a build is used only when its stamp matches the running MLX (and, in a source ch
    ``python -m mlxinfer.native build`` (or ``ensure_built()``), e.g. after MLX was upgraded.
 
 Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
-(default: all cores); ``MLXINFER_ISA=generic|avx2|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64) forces a kernel
-variant (for tests).
+(default: all cores); ``MLXINFER_ISA=generic|avx2|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
+forces a kernel variant (for tests).
 """
 
 from __future__ import annotations

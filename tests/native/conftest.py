@@ -21,4 +21,3 @@ def native_ext():
     ext = native.extension()
     assert ext is not None, native.status()
     return ext
-
