@@ -64,9 +64,9 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "causal"_a, "config"_a, "freqs"_a = nb::none(),
         "A llama decoder layer as one op (config: group_size, bits, n_heads, n_kv_heads, head_dim, rope_dims, "
         "traditional, base, rope_scale, attn_scale, eps1, eps2, qkv_bias, qk_norm, qk_eps); writes this step's "
-        "keys/values into k_buf/v_buf IN PLACE (kv_reserve "
-        "buffers only) at offset. weights: (w, scales, biases) of q, k, v, o, gate, up, down, then the two norm "
-        "weights. Returns [y, k_buf', v_buf'] (the buffers' memory).");
+        "keys/values into k_buf/v_buf IN PLACE (kv_reserve buffers only) at offset. weights: (w, scales, biases) "
+        "of q, k, v, o, gate, up, down, the two norm weights, then q/k/v biases and q/k norm weights when the "
+        "config has them. Returns [y, k_buf', v_buf'] (the buffers' memory).");
   m.def("array_id", [](const mx::array& a) { return reinterpret_cast<std::uintptr_t>(a.id()); }, "a"_a,
         "Identity of the array's descriptor (what Python's `is` cannot see after an in-place __setitem__).");
   m.def("array_handle", [](const mx::array& a) { return a; }, "a"_a,

@@ -83,7 +83,10 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
   // Intermediates in one buffer from MLX's allocator (a prefill chunk's are tens of MB): counted in MLX's peak
   // memory, returned to its cache when this task ends and released by mx.clear_cache() like any array's.
   const size_t n_xn = (size_t)rows * E, n_q = (size_t)rows * qd, n_kv = (size_t)rows * kvd, n_i = (size_t)rows * I;
-  mx::array scratch(mx::Shape{static_cast<int>(2 * n_xn + 3 * n_q + 4 * n_kv + 2 * n_i)}, mx::float32, nullptr, {});
+  const bool half = kbuf.dtype() == mx::float16;
+  const size_t n_stage = half ? n_kv : 0;  // k/v staged in float32 before the conversion into a float16 cache
+  mx::array scratch(mx::Shape{static_cast<int>(2 * n_xn + 3 * n_q + 2 * n_kv + 2 * n_stage + 2 * n_i)}, mx::float32,
+                    nullptr, {});
   scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
   float* xn = scratch.data<float>();  // (rows, E): norm1(x), later norm2(h)
   float* h = xn + n_xn;               // (rows, E): x + o_proj(attention)
@@ -92,9 +95,9 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
   float* attn = qh + n_q;             // (rows, Hq * D): attention output in o_proj's layout
   float* fk = attn + n_q;             // (rows, Hkv * D) each
   float* fv = fk + n_kv;
-  float* kh = fv + n_kv;              // (B, Hkv, L, D) each: this step's k (RoPE'd) and v, for a float16 cache
-  float* vh = kh + n_kv;
-  float* g = vh + n_kv;               // (rows, I): gate, then silu(gate) * up
+  float* kh = fv + n_kv;              // (B, Hkv, L, D) each, float16 cache only: this step's k (RoPE'd) and v
+  float* vh = kh + n_stage;
+  float* g = vh + n_stage;            // (rows, I): gate, then silu(gate) * up
   float* u = g + n_i;
   const float* xf = x.data<float>();
   const float* periods = p.freqs_at >= 0 ? in[p.freqs_at].data<float>() : nullptr;
@@ -119,7 +122,7 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
   }
   scatter_heads(fq, qh, B, L, hq, d, rope, offset, periods, L, 0);
   const RopeSpec no_rope{0, false, 1.f, 1.f};
-  if (kbuf.dtype() == mx::float32) {
+  if (!half) {
     scatter_heads(fk, kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, offset);
     scatter_heads(fv, vbuf.data<float>(), B, L, hkv, d, no_rope, 0, nullptr, cap, offset);
   } else {  // float16 cache: heads split in float32, then each (b, h) run of L rows converted into place
@@ -145,7 +148,7 @@ void run_block(std::vector<mx::array>& in, mx::array& out, const BlockSpec& p, i
   a.q = qh;
   a.k = kbuf.data<void>();
   a.v = vbuf.data<void>();
-  a.kv_half = kbuf.dtype() == mx::float16;
+  a.kv_half = half;
   const int64_t qs[3] = {(int64_t)hq * L * d, (int64_t)L * d, d};
   const int64_t ks[3] = {(int64_t)hkv * cap * d, (int64_t)cap * d, d};
   for (int i = 0; i < 3; ++i) {

@@ -143,12 +143,11 @@ def _owned_buffers(provider, cache, head_shape: tuple, L: int):
         return keys, values
     B, H, D = head_shape
     capacity = (offset + L + cache.step - 1) // cache.step * cache.step
-    keep = keys is not None and offset > 0
+    keep, dtype = keys is not None and offset > 0, kv_dtype()
     try:
-        k = provider.kv_reserve((B, H, capacity, D), keys if keep else None, valid=offset if keep else 0,
-                                dtype=kv_dtype())
+        k = provider.kv_reserve((B, H, capacity, D), keys if keep else None, valid=offset if keep else 0, dtype=dtype)
         v = provider.kv_reserve((B, H, capacity, D), values if keep else None, valid=offset if keep else 0,
-                                dtype=kv_dtype())
+                                dtype=dtype)
     except (ValueError, TypeError):  # e.g. a cache another model filled (other shapes or dtype)
         return None
     cache.keys, cache.values = k, v
