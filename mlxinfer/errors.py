@@ -35,3 +35,17 @@ class InvalidParameter(MlxinferError):
 
 class DownloadError(MlxinferError):
     pass
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived. A KeyboardInterrupt so every cleanup path that handles Ctrl-C (temp dirs, the
+    partial reply) runs for it too; code that must tell the two apart (chat: Ctrl-C stops a reply, SIGTERM ends
+    the program) checks for this class. The CLI exits 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

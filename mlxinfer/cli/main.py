@@ -66,40 +66,170 @@ def debug_enabled() -> bool:
     return os.environ.get("MLXINFER_DEBUG", "") not in ("", "0", "false", "no")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the app; user errors print one line and exit 2, no traceback unless MLXINFER_DEBUG=1."""
-    from ..errors import MlxinferError
+def _click_exceptions() -> tuple[type, ...]:
+    """ClickException classes: typer ships its own click (``typer._click``); a separately installed click may
+    also raise (Typer's rich help, plugins). Both mean a usage error."""
+    import typer._click.exceptions as tclick
 
-    argv = _with_default_command(list(sys.argv[1:] if argv is None else argv))
+    classes: list[type] = [tclick.ClickException]
     try:
+        import click
+
+        classes.append(click.ClickException)
+    except ImportError:
+        pass
+    return tuple(classes)
+
+
+class _ClosedStream:
+    """Stands in for a stdout/stderr the parent closed: writing raises instead of crashing on ``None``."""
+
+    def write(self, _text):
+        import errno
+
+        raise OSError(errno.EBADF, "the stream is closed")
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+    def fileno(self):
+        import io
+
+        raise io.UnsupportedOperation("closed stream")
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP raise ``Terminated`` in the main thread, so they clean up and save like Ctrl-C does."""
+    import signal
+    import threading
+
+    from ..errors import Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, _frame):
+        raise Terminated(signum)
+
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), handler)
+
+
+def _check_argv(argv: list[str]) -> None:
+    """Python decodes undecodable argv bytes as lone surrogates; they would fail much later, far from the cause."""
+    from ..errors import InvalidParameter
+
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = arg.encode("utf-8", "backslashreplace").decode("ascii", "replace")
+            raise InvalidParameter(f"argument {shown!r} is not valid UTF-8", hint="pass text in UTF-8") from None
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the interpreter's final flush stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _os_error_line(e: OSError) -> str:
+    import errno
+
+    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    if e.errno == errno.ENOSPC:
+        return f"no space left on the device{where}; nothing was kept (free some space and try again)"
+    if e.errno == errno.EDQUOT:
+        return f"disk quota exceeded{where}; nothing was kept (free some space and try again)"
+    if e.errno == errno.EFBIG:
+        return f"file size limit reached{where}; nothing was kept (raise the limit: ulimit -f)"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied{where} (choose a path you can write to)"
+    if e.errno == errno.EROFS:
+        return f"read-only file system{where} (choose a writable path)"
+    if e.errno == errno.EBADF:
+        return "cannot write the output: the stream is closed (redirect it to a file or to /dev/null)"
+    return f"{e.strerror or e}{where}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the app. Every user error is one line on stderr with exit code 2; usage errors print click's usage line
+    and message and exit 2; Ctrl-C exits 130, SIGTERM/SIGHUP 128 + signum; a broken pipe exits quietly. No
+    traceback unless MLXINFER_DEBUG=1 (then errors propagate)."""
+    from ..errors import MlxinferError, Terminated
+
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:  # started with the descriptor closed
+            setattr(sys, name, _ClosedStream())
+    _install_signal_handlers()
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _check_argv(raw_argv)
+        argv = _with_default_command(raw_argv)
         rv = app(args=argv, standalone_mode=False)
         if isinstance(rv, int) and rv != 0:  # click turns Ctrl-C into Exit(130) and returns it here
             if rv == 130:
-                print("\ninterrupted", file=sys.stderr)
+                _say("\ninterrupted")
             return rv
         return 0
     except MlxinferError as e:
         if debug_enabled():
             raise
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
+        return e.exit_code
+    except Terminated as e:
+        _say("\nterminated")
         return e.exit_code
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        _say("\ninterrupted")
         return 130
+    except BrokenPipeError:
+        _silence_stdout()
+        return 1  # what click itself does on EPIPE inside a command (it exits 1, silently)
     except typer.Exit as e:
         return e.exit_code
     except (typer.Abort, EOFError):
         return 1
-    except Exception as e:  # noqa: BLE001 - the one top-level handler
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            return e.exit_code
+    except _click_exceptions() as e:
+        e.show()  # usage errors: click's usage line, a hint and the message
+        return 2
+    except UnicodeDecodeError as e:
         if debug_enabled():
             raise
-        print(f"error: {type(e).__name__}: {e} (set MLXINFER_DEBUG=1 for the traceback)", file=sys.stderr)
+        _say(f"error: input is not valid UTF-8 (byte {e.start}: {e.reason}); pass text in UTF-8")
+        return 2
+    except MemoryError:
+        if debug_enabled():
+            raise
+        _say("error: out of memory (try a smaller model, batch, context or prompt)")
+        return 2
+    except OSError as e:
+        if debug_enabled():
+            raise
+        _say(f"error: {_os_error_line(e)}")
+        return 2
+    except Exception as e:  # noqa: BLE001 - the one top-level handler
+        if debug_enabled():
+            raise
+        first = (str(e).splitlines() or [""])[0]
+        _say(f"error: internal error: {type(e).__name__}: {first} (set MLXINFER_DEBUG=1 for the traceback and "
+             "report it)")
         return 1
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a closed or broken stderr is not worth a second error."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def entry() -> None:
