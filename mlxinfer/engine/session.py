@@ -10,25 +10,20 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from ..errors import InvalidParameter, MlxinferError
+from ..errors import InvalidParameter, MlxinferError, Terminated
+from . import settings as _settings
 from .generate import Response, chat_prompt, stream_generate
 from .loader import LoadedModel
-from .sampling import SamplingParams
+from .sampling import SamplingParams, repair_random_state
 
 SESSION_FORMAT = "mlxinfer.session"
 SESSION_VERSION = 1
 THINK_MODES = ("on", "off", "hide")   # on: shown dimmed, hide: generated but not shown, off: asked not to think
 # Prefill in small chunks in chat so a cancel lands within a few seconds even on a slow CPU prefill.
 CHAT_PREFILL_STEP = 128
-MIN_CONTEXT = 32
-# User-facing setting names (``/set NAME VALUE``) -> SamplingParams fields; "context" is the session's own.
-SETTING_ALIASES = {
-    "temp": "temperature", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repeat_penalty": "repeat_penalty", "repeat_context": "repeat_context", "max_tokens": "max_tokens",
-    "seed": "seed",
-}
-SETTING_NAMES = ("temp", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_context", "max_tokens", "seed",
-                 "context")
+MIN_CONTEXT = _settings.MIN_CONTEXT
+# What ``/set NAME VALUE`` accepts: SamplingParams' fields ("temp" for temperature) plus the session's "context".
+SETTING_NAMES = _settings.setting_names()
 
 
 class SessionError(MlxinferError):
@@ -62,6 +57,9 @@ class Turn:
         self.stats = None
         self.interrupted = False
         self.discarded = False          # cancelled before the first token: the exchange was removed
+        self.error: Exception | None = None  # generation failed: the session is back where it was before
+        self.terminated = False         # SIGTERM/SIGHUP: keep the exchange (marked interrupted) even if empty
+        self.before: list[dict] = []    # the messages before this turn (restored if it fails)
         self.on_prefill = None          # optional callback(done, total) while the prompt is prefilled
         self._cancel = False
         self._started = False
@@ -99,10 +97,14 @@ class Turn:
                 except Cancelled:
                     self._cancel = True
                     break
-                except BaseException:
-                    # Raised inside the model call (KeyboardInterrupt, an MLX error): a layer's cache may be
-                    # half-updated, so it cannot be trusted.
+                except Exception as e:
+                    # A failure (an MLX error, a sampler refusing a value): the turn is undone in _finish_turn.
+                    self.error = e
+                    raise
+                except BaseException as e:
+                    # Ctrl-C or SIGTERM inside the model call: a layer's cache may be half-updated.
                     broken = self._cancel = True
+                    self.terminated = self.terminated or isinstance(e, Terminated)
                     raise
                 self.text += r.text
                 self.stats = r.stats
@@ -111,9 +113,9 @@ class Turn:
             # Read before close(): closing a suspended stream marks its stats "interrupted" itself.
             complete = self.stats is not None and self.stats.finish_reason in ("stop", "length")
             stream.close()
-            self.interrupted = not complete
-            if self.stats is not None and self.interrupted:
-                self.stats.finish_reason = "interrupted"
+            self.interrupted = not complete and self.error is None
+            if self.stats is not None and not complete:
+                self.stats.finish_reason = "error" if self.error is not None else "interrupted"
             s._finish_turn(self, broken)
 
 
@@ -131,7 +133,7 @@ class Session:
         messages: list[dict] | None = None,
     ):
         self.loaded = loaded
-        self.params = (params or SamplingParams()).validate()
+        self.params = _settings.check_for_model(params or SamplingParams(), loaded)
         self.system = system or None
         self._context: int | None = None
         if context is not None:
@@ -149,14 +151,17 @@ class Session:
 
     @property
     def context_used(self) -> int:
-        """Tokens the KV cache holds now (history + last reply)."""
-        return len(self._cache_tokens)
+        """Tokens the conversation takes: what the KV cache holds, or, before the cache is filled (a resumed
+        session, after a failed turn), what the history will take when it is prefilled."""
+        if self._cache_tokens or not self.messages:
+            return len(self._cache_tokens)
+        try:
+            return len(self.render())
+        except MlxinferError:
+            return 0
 
     def set_context(self, n: int) -> None:
-        top = self.loaded.context_length
-        if not MIN_CONTEXT <= n <= top:
-            raise InvalidParameter(f"invalid context {n}: must be between {MIN_CONTEXT} and {top} (the model's limit)")
-        self._context = n
+        self._context = _settings.check_context(n, self.loaded)
 
     def set_think(self, mode: str) -> None:
         if mode not in THINK_MODES:
@@ -171,13 +176,17 @@ class Session:
             except ValueError:
                 raise InvalidParameter(f"invalid context {value!r}: expected a whole number") from None
             return "context"
-        field = SETTING_ALIASES.get(name)
+        field = _settings.field_for(name)
         if field is None:
-            raise InvalidParameter(f"unknown setting '{name}'", hint=f"settings: {', '.join(SETTING_NAMES)}")
+            import difflib
+
+            near = difflib.get_close_matches(name, SETTING_NAMES, n=1, cutoff=0.5)
+            hint = (f"did you mean '{near[0]}'? " if near else "") + f"settings: {', '.join(SETTING_NAMES)}"
+            raise InvalidParameter(f"unknown setting '{name}'", hint=hint)
         from dataclasses import replace
 
         v = SamplingParams.coerce(field, value) if isinstance(value, str) else value
-        self.params = replace(self.params, **{field: v}).validate()
+        self.params = _settings.check_for_model(replace(self.params, **{field: v}), self.loaded)
         return field
 
     def settings(self) -> dict[str, Any]:
@@ -249,19 +258,42 @@ class Session:
             tokens = self.render()
         return tokens, dropped
 
-    def _start(self) -> Turn:
+    def _start(self, before: list[dict]) -> Turn:
+        """Start a turn on the current messages; ``before`` is the history to go back to if it fails."""
         try:
             tokens, dropped = self._fit()
-        except Exception:
-            self.messages.pop()
+        except BaseException:
+            self.messages = before
             raise
         reused = self._reuse(tokens)
         left = self.context_limit - len(tokens)
         max_tokens = left if self.params.max_tokens <= 0 else min(self.params.max_tokens, left)
-        return Turn(self, tokens, reused, dropped, max_tokens)
+        turn = Turn(self, tokens, reused, dropped, max_tokens)
+        turn.before = before
+        return turn
+
+    def _undo_failed_turn(self, turn: Turn) -> None:
+        """Back to before the turn: its messages gone, the cache trimmed to the prefix it had reused (checked by
+        evaluating it; rebuilt on the next turn if that fails), MLX's random state usable again."""
+        import mlx.core as mx
+
+        self.messages = turn.before
+        repair_random_state()
+        try:
+            offsets = [getattr(c, "offset", None) for c in self._cache or []]
+            if not offsets or any(not isinstance(o, int) or o < turn.reused for o in offsets):
+                raise ValueError("the cache does not hold the reused prefix")
+            self._trim_layers(turn.reused)
+            mx.eval([c.state for c in self._cache])
+            self._cache_tokens = turn.tokens[:turn.reused]
+        except Exception:  # noqa: BLE001 - whatever is wrong with it, a fresh cache is right
+            self.reset_cache()
 
     def _finish_turn(self, turn: Turn, broken: bool) -> None:
         stats = turn.stats
+        if turn.error is not None:
+            self._undo_failed_turn(turn)
+            return
         if broken or self._cache is None:
             self.reset_cache()
         else:
@@ -275,7 +307,7 @@ class Session:
                     self._cache_tokens = known[:n]
                 else:
                     self.reset_cache()
-        if turn.interrupted and (stats is None or stats.generation_tokens == 0):
+        if turn.interrupted and (stats is None or stats.generation_tokens == 0) and not turn.terminated:
             # Cut off before the reply began: keep no half exchange (two user turns in a row break some templates).
             if self.messages and self.messages[-1]["role"] == "user":
                 self.messages.pop()
@@ -293,16 +325,18 @@ class Session:
             raise SessionError("empty message")
         if self.messages and self.messages[-1]["role"] == "user":
             self.messages.pop()  # a turn that was never run
+        before = [dict(m) for m in self.messages]
         self.messages.append({"role": "user", "content": text})
-        return self._start()
+        return self._start(before)
 
     def retry(self) -> Turn:
         """Regenerate the last reply: the cache is trimmed back to the end of the last user message."""
+        before = [dict(m) for m in self.messages]
         if self.messages and self.messages[-1]["role"] == "assistant":
             self.messages.pop()
         if not self.messages or self.messages[-1]["role"] != "user":
             raise SessionError("nothing to retry yet", hint="send a message first")
-        return self._start()
+        return self._start(before)
 
     def undo(self) -> dict | None:
         """Drop the last exchange (reply and the message before it); returns the user message removed."""
@@ -330,7 +364,9 @@ class Session:
         return None
 
     def switch_model(self, loaded: LoadedModel) -> None:
-        """Carry the conversation over to another model (its cache starts empty)."""
+        """Carry the conversation over to another model (its cache starts empty). Refuses, changing nothing, when
+        a setting does not suit the new model (e.g. top_k above its vocabulary)."""
+        _settings.check_for_model(self.params, loaded)
         self.loaded = loaded
         if self._context and self._context > loaded.context_length:
             self._context = None
@@ -363,16 +399,19 @@ class Session:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict, loaded: LoadedModel) -> "Session":
+    def from_dict(cls, data: dict, loaded: LoadedModel, params: SamplingParams | None = None) -> "Session":
+        """A session from saved data; ``params`` (e.g. saved settings with flags over them) replaces the saved
+        settings when given."""
         data = cls.check_dict(data)
         settings = dict(data.get("settings") or {})
         context = settings.pop("context", None)
-        known = set(SamplingParams.names())
-        try:
-            params = SamplingParams(**{k: v for k, v in settings.items() if k in known}).validate()
-        except (TypeError, ValueError) as e:
-            raise SessionError(f"the session's settings are invalid ({e})") from None
-        if isinstance(context, int) and context > loaded.context_length:
-            context = None
+        if params is None:
+            try:
+                params = _settings.resolve(saved=settings, loaded=loaded)
+            except InvalidParameter as e:
+                raise SessionError(f"the session's settings are invalid ({e})") from None
+        if not isinstance(context, int) or isinstance(context, bool) or not (
+                MIN_CONTEXT <= context <= loaded.context_length):
+            context = None  # saved for a model with a longer context (or garbled): the model's own limit
         return cls(loaded, params, system=data.get("system"), context=context, think=data.get("think", "on"),
                    messages=data["messages"])

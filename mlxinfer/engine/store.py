@@ -1,5 +1,10 @@
 """Saved chat sessions: one JSON file per name in ``$XDG_DATA_HOME/mlxinfer/sessions``, written atomically
-(temp file in the same folder, fsync, ``os.replace``) so a crash mid-save leaves the previous version intact."""
+(temp file in the same folder, fsync, ``os.replace``) so a crash mid-save leaves the previous version intact.
+
+One process at a time writes a session: a chat holds ``SessionLock(name)`` (an exclusive ``flock`` on
+``.NAME.lock`` beside ``NAME.json``, holding the owner's pid) for as long as it is bound to NAME. The kernel drops
+the lock when the process dies, however it dies; a clean release also removes the file.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +38,101 @@ def check_name(name: str) -> str:
 
 def session_path(name: str) -> Path:
     return sessions_dir() / f"{check_name(name)}.json"
+
+
+class SessionBusy(SessionError):
+    """The session is open in another process."""
+
+    def __init__(self, name: str, pid: int | None, hint: str | None = None):
+        who = f"another mlxinfer (pid {pid})" if pid else "another mlxinfer"
+        super().__init__(f"session '{name}' is open in {who}", hint=hint or (
+            f"close that chat first, or continue a copy of it: mlxinfer chat --session {name} --fork NEW-NAME"))
+        self.pid = pid
+
+
+def lock_path(name: str) -> Path:
+    return sessions_dir() / f".{check_name(name)}.lock"
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+class SessionLock:
+    """An exclusive lock on one session name, held until ``release()`` or the end of the process."""
+
+    def __init__(self, name: str, path: Path, fd: int):
+        self.name, self.path, self._fd = name, path, fd
+
+    @classmethod
+    def acquire(cls, name: str, hint: str | None = None) -> "SessionLock":
+        """Take NAME's lock now or raise ``SessionBusy`` (never waits)."""
+        path = lock_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): sessions are not shared there
+            return cls(name, path, -1)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise SessionBusy(name, _read_pid(path), hint) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:  # the holder we waited on may have released (and removed) the file: lock the one in place
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                return cls(name, path, fd)
+            os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Remove the lock file (while still holding it, so nobody locks a file about to vanish) and unlock."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        if fd < 0:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(fd)
+
+    def __enter__(self) -> "SessionLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def holder(name: str) -> int | None:
+    """The pid of the live process that holds NAME open, if any (for listings; ``acquire`` is the real test)."""
+    pid = _read_pid(lock_path(name))
+    if pid is None or pid == os.getpid():
+        return pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return pid
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -88,6 +188,7 @@ class SessionInfo:
     modified: float
     model: str
     messages: int
+    open_in: int | None = None   # pid of a live process that has it open
 
 
 def list_sessions() -> list[SessionInfo]:
@@ -99,5 +200,5 @@ def list_sessions() -> list[SessionInfo]:
             model, count = str(data.get("model", "?")), len(data.get("messages", []))
         except (OSError, ValueError, TypeError, AttributeError):
             model, count = "unreadable", 0
-        out.append(SessionInfo(name, path, path.stat().st_mtime, model, count))
+        out.append(SessionInfo(name, path, path.stat().st_mtime, model, count, holder(name)))
     return out

@@ -11,12 +11,60 @@ from mlxinfer.errors import InvalidModel, InvalidParameter
 
 
 @pytest.mark.parametrize("bad", [
-    {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"min_p": 1.0},
-    {"repeat_penalty": 0.0}, {"max_tokens": 0}, {"seed": -3},
+    {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": 0.0},
+    {"top_p": 1.5}, {"top_p": float("nan")}, {"top_k": -1}, {"top_k": 1.5}, {"top_k": True}, {"min_p": 1.01},
+    {"min_p": -0.1}, {"min_p": float("nan")}, {"repeat_penalty": 0.0}, {"repeat_penalty": float("inf")},
+    {"max_tokens": 0}, {"max_tokens": -2}, {"repeat_context": 0}, {"seed": -3}, {"seed": 2**64},
+    {"seed": 10**22}, {"temperature": "hot"},
 ])
 def test_invalid_sampling_values_are_rejected(bad):
-    with pytest.raises(InvalidParameter, match=next(iter(bad))):
+    with pytest.raises(InvalidParameter, match=next(iter(bad))) as e:
         SamplingParams(**bad).validate()
+    assert "\n" not in str(e.value) and len(str(e.value)) < 160  # one line, even for a 23-digit seed
+
+
+def test_range_edges_are_accepted():
+    """The edges of every range are real values (min_p 1 keeps only the top token; seed up to 2^64-1, which
+    mx.random.seed accepts)."""
+    import mlx.core as mx
+
+    from mlxinfer.engine.sampling import SEED_MAX
+
+    SamplingParams(temperature=0, top_p=1.0, top_k=0, min_p=1.0, repeat_penalty=1e-3, max_tokens=-1,
+                   seed=SEED_MAX).validate()
+    mx.random.seed(SEED_MAX)
+    with pytest.raises((TypeError, OverflowError, ValueError)):
+        mx.random.seed(SEED_MAX + 1)  # what the upper bound is for: MLX refuses anything above it
+
+
+def test_sampler_top_k_equal_to_the_vocabulary_means_all_tokens():
+    import mlx.core as mx
+
+    from mlxinfer.engine.sampling import make_sampler
+
+    logits = mx.array([[0.0, 1.0, 2.0, 3.0]])
+    for k in (4, 3):
+        token = make_sampler(SamplingParams(temperature=1.0, top_k=k))(logits)
+        assert 0 <= token.item() < 4
+    mx.eval(mx.random.state)  # the random state survived
+
+
+def test_a_failing_sampler_leaves_a_broken_random_state_that_is_repaired():
+    """mlx-lm's compiled samplers leave a placeholder in mx.random.state when they raise: the chat's failure path
+    must reseed, or every later sampled token fails ("eval an array without a primitive")."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_min_p
+
+    from mlxinfer.engine.sampling import make_sampler, repair_random_state
+
+    assert repair_random_state() is False
+    with pytest.raises(ValueError):
+        apply_min_p(mx.zeros((1, 8)), 2.0)
+    with pytest.raises(RuntimeError):
+        mx.eval(mx.random.state)
+    assert repair_random_state() is True
+    token = make_sampler(SamplingParams(temperature=1.0))(mx.zeros((1, 8)))
+    assert 0 <= token.item() < 8
 
 
 def test_with_values_ignores_none_and_validates():
@@ -34,6 +82,8 @@ def test_coerce_parses_user_text():
         SamplingParams.coerce("tmp", "1")
     with pytest.raises(InvalidParameter, match="expected a number"):
         SamplingParams.coerce("temperature", "hot")
+    with pytest.raises(InvalidParameter, match="top_k '1.5': expected a whole number"):
+        SamplingParams.coerce("top_k", "1.5")
 
 
 def test_holdback_keeps_possible_stop_prefixes():

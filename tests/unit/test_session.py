@@ -246,31 +246,150 @@ def test_cancel_during_prefill_stops_at_a_chunk_boundary(tiny):
     assert_cache_consistent(s)
 
 
-def test_an_error_inside_the_model_resets_the_cache(tiny):
+class Flaky:
+    """The tiny model, raising ``error`` on its ``fail_at``-th call (1 = the prefill of the first chunk)."""
+
+    def __init__(self, inner, fail_at, error=None):
+        self.inner, self.calls, self.fail_at = inner, 0, fail_at
+        self.error = error or RuntimeError("boom\nsecond line")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error
+        return self.inner(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fail_at", [1, 4])
+def test_an_error_during_generation_undoes_the_turn(tiny, fail_at):
+    """Failing in the prefill or mid-reply: the exception reaches the caller, the messages and the cache are back
+    to before the turn (the cache trimmed to its reused prefix, not thrown away), and the next turn works."""
     import dataclasses
 
-    class Flaky:
-        """The tiny model, failing on its 4th call (mid-reply)."""
-
-        def __init__(self, inner):
-            self.inner, self.calls = inner, 0
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def __call__(self, *args, **kwargs):
-            self.calls += 1
-            if self.calls == 4:
-                raise RuntimeError("boom")
-            return self.inner(*args, **kwargs)
-
-    s = make_session(dataclasses.replace(tiny, model=Flaky(tiny.model)), max_tokens=20)
-    turn = s.send("Hello")
+    s = make_session(tiny, max_tokens=20)
+    run(s.send("Hello"))
+    before, held = [dict(m) for m in s.messages], list(s._cache_tokens)
+    flaky = Flaky(tiny.model, fail_at)
+    s.loaded = dataclasses.replace(tiny, model=flaky)
+    turn = s.send("Tell me more")
     with pytest.raises(RuntimeError, match="boom"):
         run(turn)
-    assert turn.interrupted and s._cache is None and s.context_used == 0
-    assert s.messages[-1].get("interrupted")  # the tokens that did come are kept, marked
-    s.loaded = tiny
-    t = run(s.send("Again"))
-    assert t.reused == 0 and not t.interrupted
+    assert flaky.calls == fail_at
+    assert turn.error is not None and not turn.interrupted and not turn.discarded
+    assert s.messages == before
+    assert s._cache_tokens == turn.tokens[:turn.reused] and turn.reused > 0
+    assert s._cache_tokens == held[:turn.reused]
     assert_cache_consistent(s)
+    s.loaded = tiny
+    t = run(s.send("Tell me more"))
+    assert t.error is None and not t.interrupted and t.reused == turn.reused
+    assert [m["role"] for m in s.messages] == ["user", "assistant"] * 2
+    assert_cache_consistent(s)
+
+
+def test_a_failed_retry_keeps_the_reply_it_was_replacing(tiny):
+    import dataclasses
+
+    s = make_session(tiny)
+    run(s.send("Hello"))
+    before = [dict(m) for m in s.messages]
+    s.loaded = dataclasses.replace(tiny, model=Flaky(tiny.model, 1))
+    with pytest.raises(RuntimeError):
+        run(s.retry())
+    assert s.messages == before
+    s.loaded = tiny
+    run(s.retry())
+    assert len(s.messages) == 2 and s.messages[0] == before[0]
+    assert_cache_consistent(s)
+
+
+def test_a_sampler_error_does_not_break_later_sampling(tiny, monkeypatch):
+    """The reported failure: a value mlx-lm's compiled sampler refused left MLX's random state broken, and every
+    later message failed ("[eval] Attempting to eval an array without a primitive") even after a fix and
+    /clear. Validation now stops such values first, so the sampler is made to refuse one here."""
+    import mlx_lm.sample_utils as su
+
+    import mlxinfer.engine.generate as gen
+
+    s = make_session(tiny, max_tokens=5)
+    s.set("temp", "0.8")
+    monkeypatch.setattr(gen, "make_sampler", lambda params: lambda x: su.apply_min_p(x, 2.0))
+    turn = s.send("Hello")
+    with pytest.raises(ValueError, match="min_p"):
+        run(turn)
+    assert turn.error is not None and s.messages == []
+    monkeypatch.undo()
+    s.clear()
+    t = run(s.send("Hello"))
+    assert t.error is None and t.stats.generation_tokens > 0 and len(s.messages) == 2
+
+
+def test_terminated_keeps_the_exchange_even_before_the_first_token(tiny):
+    """SIGTERM (Terminated) inside the model call: the chat saves and exits, so the user's message is kept with
+    an empty reply marked interrupted rather than dropped (Ctrl-C at that point drops it)."""
+    import dataclasses
+
+    from mlxinfer.errors import Terminated
+
+    s = make_session(tiny)
+    s.loaded = dataclasses.replace(tiny, model=Flaky(tiny.model, 1, Terminated(15)))
+    turn = s.send("Hello")
+    with pytest.raises(Terminated):
+        run(turn)
+    assert turn.terminated and turn.interrupted and not turn.discarded and turn.error is None
+    assert s.messages == [{"role": "user", "content": "Hello"},
+                          {"role": "assistant", "content": "", "interrupted": True}]
+    s.loaded = dataclasses.replace(tiny, model=Flaky(tiny.model, 1, KeyboardInterrupt()))
+    s.clear()
+    turn = s.send("Hello")
+    with pytest.raises(KeyboardInterrupt):
+        run(turn)
+    assert turn.discarded and s.messages == []
+
+
+def test_settings_are_checked_against_the_model(tiny):
+    from mlxinfer.errors import InvalidParameter
+
+    s = make_session(tiny)
+    vocab = tiny.tokenizer.vocab_size
+    s.set("top_k", str(vocab))  # all tokens: allowed (the sampler treats it as off)
+    for name, value, needle in [
+        ("top_k", str(vocab + 1), f"between 0 and {vocab}"), ("top_k", "1000000000", "vocabulary"),
+        ("max_tokens", "4097", "between 1 and 4096"), ("seed", "1" * 23, "between 0 and 18446744073709551615"),
+        ("repeat_context", "5000", "between 1 and 4096"), ("min_p", "nan", "[0, 1]"),
+        ("repeat_penalty", "inf", "> 0"), ("context", "4097", "between 32 and 4096"),
+    ]:
+        with pytest.raises(InvalidParameter, match=name) as e:
+            s.set(name, value)
+        line = str(e.value)
+        assert needle in line and "\n" not in line, line
+    assert s.params.top_k == vocab and s.context_limit == 4096
+
+
+def test_switching_to_a_model_the_settings_do_not_fit_changes_nothing(tiny):
+    import dataclasses
+
+    from mlxinfer.errors import InvalidParameter
+
+    s = make_session(tiny, max_tokens=3000)
+    run(s.send("Hello"))
+    small = dataclasses.replace(tiny, config={"max_position_embeddings": 1024})
+    with pytest.raises(InvalidParameter, match="max_tokens 3000"):
+        s.switch_model(small)
+    assert s.loaded is tiny and s._cache is not None
+
+
+def test_a_resumed_session_reports_the_context_its_history_takes(tiny):
+    """Issue #16: after --session NAME, /show said 0 tokens used (the cache is filled on the first turn)."""
+    from mlxinfer.engine.session import Session
+
+    s = make_session(tiny, system="Sys")
+    run(s.send("Remember the word banana"))
+    used = s.context_used
+    back = Session.from_dict(s.to_dict(), tiny)
+    assert back._cache is None
+    assert back.context_used == len(back.render()) and abs(back.context_used - used) <= 8
+    assert make_session(tiny).context_used == 0
