@@ -101,6 +101,9 @@ class _ClosedStream:
         raise io.UnsupportedOperation("closed stream")
 
 
+_SIGNALS: list[int] = []  # SIGTERM/SIGHUP received, in order
+
+
 def _install_signal_handlers() -> None:
     """SIGTERM and SIGHUP raise ``Terminated`` in the main thread, so they clean up and save like Ctrl-C does."""
     import signal
@@ -112,6 +115,7 @@ def _install_signal_handlers() -> None:
         return
 
     def handler(signum, _frame):
+        _SIGNALS.append(signum)  # typer turns every KeyboardInterrupt, Terminated too, into exit 130
         raise Terminated(signum)
 
     for name in ("SIGTERM", "SIGHUP"):
@@ -175,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = _with_default_command(raw_argv)
         rv = app(args=argv, standalone_mode=False)
         if isinstance(rv, int) and rv != 0:  # click turns Ctrl-C into Exit(130) and returns it here
+            if rv == 130 and _SIGNALS:
+                _say("\nterminated")
+                return 128 + _SIGNALS[0]
             if rv == 130:
                 _say("\ninterrupted")
             return rv
