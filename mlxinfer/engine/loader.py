@@ -92,8 +92,9 @@ def model_dir(spec: ModelSpec, progress: Progress | None = None) -> Path:
     return path
 
 
-def check_model_dir(path: Path) -> None:
-    """Fail early, with one clear line, on directories mlx-lm could not load."""
+def check_model_dir(path: Path) -> dict:
+    """Fail early, with one clear line, on directories mlx-lm could not load or should not: custom code, a broken
+    or absurd config.json, weights that contradict it. Returns the config."""
     if not (path / "config.json").is_file():
         raise InvalidModel(f"{path} has no config.json", hint="give an MLX model directory, a .gguf file or a Hub repo")
     if not list(path.glob("model*.safetensors")):  # what mlx-lm's load_model reads
@@ -103,17 +104,20 @@ def check_model_dir(path: Path) -> None:
                 hint="convert a safetensors source with 'mlxinfer convert'",
             )
         raise InvalidModel(f"{path} has no model*.safetensors weights", hint="the download may be incomplete")
-    try:
-        json.loads((path / "config.json").read_text())
-    except ValueError as e:
-        raise InvalidModel(f"{path}/config.json is not valid JSON ({e})") from None
+    from .model_checks import check_model_files
+    from .trust import check_no_remote_code
+
+    config = check_model_files(path)
+    check_no_remote_code(path)
+    return config
 
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _eos_ids(path: Path, config: dict) -> list[int]:
@@ -130,11 +134,18 @@ def load_model_dir(path: Path, *, lazy: bool = False):
     """mlx-lm builds the model from the directory; returns (model, config). Errors become one clear line."""
     from mlx_lm.utils import load_model
 
-    check_model_dir(path)
+    config = check_model_dir(path)
     try:
-        return load_model(path, lazy=lazy)
+        return load_model(path, lazy=lazy, trust_remote_code=False)
     except MlxinferError:
         raise
+    except (TypeError, AttributeError, ZeroDivisionError, OverflowError, IndexError) as e:
+        # A config.json that passed the sanity checks but still does not fit the architecture's fields.
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise InvalidModel(
+            f"{path}/config.json does not fit mlx-lm's '{config.get('model_type')}' model "
+            f"({type(e).__name__}: {msg})", hint="the config is corrupt or was written for another architecture",
+        ) from None
     except (ValueError, RuntimeError, OSError, KeyError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "model type" in msg.lower() or "not supported" in msg.lower():
@@ -166,7 +177,8 @@ def load(
 ) -> LoadedModel:
     """Load an alias, Hub repo id (``org/name[@rev]``), MLX directory or ``.gguf`` file (default: the bundled model)."""
     import mlx.core as mx
-    from mlx_lm.utils import load_tokenizer
+
+    from .trust import load_tokenizer
 
     if isinstance(model, ModelSpec):
         spec = model
@@ -185,8 +197,12 @@ def load(
     eos = _eos_ids(path, config)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=eos or None)
+    except MlxinferError:
+        raise
     except Exception as e:  # noqa: BLE001 - transformers raises many types for broken tokenizer files
-        raise InvalidModel(f"cannot load the tokenizer in {path}: {e}") from None
+        msg = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise InvalidModel(f"cannot load the tokenizer in {path}: {msg}",
+                           hint="the tokenizer files may be broken; download or convert the model again") from None
 
     from ..kernels.patch import apply_kernels
 

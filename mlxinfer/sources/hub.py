@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +27,9 @@ ALLOW_PATTERNS = ["model*.safetensors", "*.json", "tokenizer.model", "*.tiktoken
 IGNORE_PATTERNS = ["*/*"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _TRUE = {"1", "ON", "YES", "TRUE"}
+DEFAULT_TIMEOUT = 10.0  # seconds to connect, or to wait for the next bytes, per request
+STALL_REQUESTS = 3      # no answer for this many timeouts in a row: give up (no more retries)
+_PRECHECK = ("config.json", "tokenizer_config.json")  # read before any weights are fetched
 
 
 # -- environment, read on every call: huggingface_hub reads it once at import, tests and the CLI change it later --
@@ -82,6 +87,72 @@ def _label(repo: str, revision: str | None) -> str:
     return repo + (f"@{revision}" if revision else "")
 
 
+# -- timeouts -----------------------------------------------------------------------------------------------
+def hub_timeout() -> float:
+    """Seconds a Hub request may take to connect or between received bytes (MLXINFER_HUB_TIMEOUT, default 10)."""
+    try:
+        value = float(os.environ.get("MLXINFER_HUB_TIMEOUT") or DEFAULT_TIMEOUT)
+    except ValueError:
+        return DEFAULT_TIMEOUT
+    return value if 0 < value < 3600 else DEFAULT_TIMEOUT
+
+
+class HubStalled(Exception):
+    """The Hub has sent nothing for STALL_REQUESTS timeouts; raised instead of letting huggingface_hub retry on."""
+
+
+class _Watch:
+    """When the Hub last answered, while a download_model call is running (None otherwise)."""
+
+    since: float | None = None
+
+
+def _bound_request(request) -> None:
+    """httpx request hook: cap every timeout (huggingface_hub passes None, i.e. wait forever, for its API calls)
+    and stop retrying once the Hub has been silent for too long."""
+    limit = hub_timeout()
+    since = _Watch.since
+    if since is not None and time.monotonic() - since > STALL_REQUESTS * limit:
+        raise HubStalled(f"{hub_endpoint()} sent nothing for {STALL_REQUESTS * limit:g} s")
+    timeouts = dict(request.extensions.get("timeout") or {})
+    for key in ("connect", "read", "write", "pool"):
+        if timeouts.get(key) is None or timeouts[key] > limit:
+            timeouts[key] = limit
+    request.extensions = {**request.extensions, "timeout": timeouts}
+
+
+def _answered(*_args) -> None:
+    if _Watch.since is not None:
+        _Watch.since = time.monotonic()
+
+
+def _client_factory():
+    try:  # huggingface_hub's own client (its offline-mode hook, redirects), plus ours
+        from huggingface_hub.utils._http import default_client_factory
+
+        client = default_client_factory()
+    except ImportError:
+        import httpx2
+
+        client = httpx2.Client(follow_redirects=True, timeout=None)
+    hooks = client.event_hooks
+    client.event_hooks = {"request": [*hooks["request"], _bound_request], "response": [*hooks["response"], _answered]}
+    return client
+
+
+_installed = False
+
+
+def _install_timeouts() -> None:
+    """Make huggingface_hub's shared HTTP client (also used by transformers) apply the timeouts above."""
+    global _installed
+    if not _installed:
+        from huggingface_hub import set_client_factory
+
+        set_client_factory(_client_factory)
+        _installed = True
+
+
 # -- progress ---------------------------------------------------------------------------------------------
 class _ByteProgress:
     """Turns huggingface_hub's tqdm bars into ``progress("download", done_bytes, total_bytes)`` calls.
@@ -103,6 +174,7 @@ class _ByteProgress:
                 return
             self.done = min(n, self.total) if self.total else n
             self._reported = True
+            _answered()
             if self.callback is not None:
                 self.callback("download", self.done, max(self.total, self.done))
 
@@ -156,10 +228,16 @@ def _reason(err: BaseException) -> str:
     """A short, one-line cause for a failed Hub request."""
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
+    import httpx2
+
     if isinstance(err, OfflineModeIsEnabled):
         return "HF_HUB_OFFLINE is set"
     if isinstance(err, HfHubHTTPError) and err.response is not None:
         return f"{hub_endpoint()} answered HTTP {err.response.status_code}"
+    if isinstance(err, httpx2.TimeoutException):
+        return f"{hub_endpoint()} did not answer within {hub_timeout():g} s"
+    if isinstance(err, HubStalled):
+        return str(err)
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return f"{hub_endpoint()}: {text}"
 
@@ -202,12 +280,12 @@ def _translate(err: BaseException, repo: str, revision: str | None) -> MlxinferE
             hint="the repo may be changing; try again, or pin a revision with org/name@commit",
         )
     if isinstance(err, HfHubHTTPError) and err.response is not None and err.response.status_code in (401, 403):
-        return DownloadError(f"not authorized to download {label} ({_reason(err)})", hint=login)
+        return DownloadError(f"not authorized to download {label} ({_reason(err)}): it is private or gated", hint=login)
     if isinstance(err, HfHubHTTPError):
-        return DownloadError(
-            f"download of {label} failed: {_reason(err)}", hint="try again later, or set HF_HUB_OFFLINE=1 to use the cache"
-        )
-    if isinstance(err, (LocalEntryNotFoundError, httpx2.HTTPError, ConnectionError, TimeoutError)):
+        return _http_error(err, label)
+    if isinstance(err, (json.JSONDecodeError, UnicodeDecodeError)):
+        return _not_understood(label)
+    if isinstance(err, (LocalEntryNotFoundError, httpx2.HTTPError, ConnectionError, TimeoutError, HubStalled)):
         cause = err.__cause__ or err
         return DownloadError(
             f"download of {label} failed: the Hub cannot be reached ({_reason(cause)})",
@@ -216,6 +294,26 @@ def _translate(err: BaseException, repo: str, revision: str | None) -> MlxinferE
     if isinstance(err, OSError):
         return DownloadError(f"cannot write to the Hugging Face cache {hub_cache_dir()}: {err.strerror or err}")
     raise err
+
+
+def _http_error(err, label: str) -> MlxinferError:
+    """An HTTP error status without a Hub error code: the hint follows the status class."""
+    status = err.response.status_code if err.response is not None else 0
+    where = f"{hub_endpoint()} answered HTTP {status}"
+    if status == 404:
+        return ModelNotFound(f"{label}: {where}: no such repo or revision there",
+                             hint="check the repo id, the revision and HF_ENDPOINT")
+    if status == 429:
+        return DownloadError(f"download of {label} failed: {where} (too many requests)", hint="wait and try again")
+    if status >= 500:
+        return DownloadError(f"download of {label} failed: {where}, a server error",
+                             hint="try again later, or set HF_HUB_OFFLINE=1 to use the cache")
+    return DownloadError(f"download of {label} failed: {where}", hint="check the repo id and HF_ENDPOINT")
+
+
+def _not_understood(label: str) -> MlxinferError:
+    return DownloadError(f"{hub_endpoint()} answered the request for {label} with something that is not the "
+                         "Hugging Face Hub API", hint="check HF_ENDPOINT, or a proxy in between")
 
 
 # -- repo contents ----------------------------------------------------------------------------------------
@@ -292,22 +390,31 @@ def cached_path(repo: str, revision: str | None = None) -> Path | None:
     return None
 
 
-def _from_cache(repo: str, revision: str | None, reason: str, cause: BaseException | None) -> Path:
+def _from_cache(repo: str, revision: str | None, reason: str, cause: BaseException | None, *,
+                garbled: bool = False) -> Path:
+    """The cached snapshot when the Hub cannot serve it; otherwise one line whose hint matches why."""
     from huggingface_hub.errors import HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError
 
     label = _label(repo, revision)
+    status = getattr(getattr(cause, "response", None), "status_code", 0) or 0
+    if cause is None:  # offline mode
+        why, fix = "offline mode is on (HF_HUB_OFFLINE is set)", "unset HF_HUB_OFFLINE to download it"
+    elif garbled:
+        why, fix = f"{hub_endpoint()} answered with something that is not the Hugging Face Hub API", \
+            "check HF_ENDPOINT, or a proxy or login page in between"
+    elif status >= 500:
+        why, fix = f"the Hub had a server error ({reason})", "try again later"
+    else:
+        why, fix = f"the Hub cannot be reached ({reason})", "connect once or set HF_ENDPOINT"
     try:
         path = _snapshot(repo, revision, local_files_only=True)
     except IncompleteSnapshotError:
         raise DownloadError(
-            f"the cached copy of {label} is incomplete and the Hub cannot be reached ({reason}); "
-            "connect once to finish the download"
+            f"the cached copy of {label} is incomplete and {why}",
+            hint="unset HF_HUB_OFFLINE to finish it" if cause is None else "connect once to finish the download",
         ) from cause
     except LocalEntryNotFoundError:
-        raise DownloadError(
-            f"{label} is not in the local cache and the Hub cannot be reached ({reason}); "
-            "connect once or set HF_ENDPOINT"
-        ) from cause
+        raise DownloadError(f"{label} is not in the local cache and {why}; {fix}") from cause
     except HFValidationError as e:
         raise _translate(e, repo, revision) from None
     return _check_dir(path, label)
@@ -340,29 +447,58 @@ def download_model(repo: str, revision: str | None = None, *, progress: Progress
     if hub_offline():
         return _from_cache(repo, revision, "HF_HUB_OFFLINE is set", None)
 
-    api = HfApi(endpoint=hub_endpoint(), token=_token(), library_name="mlxinfer")
+    _install_timeouts()
+    _Watch.since = time.monotonic()
     try:
-        info = api.model_info(repo, revision=revision, files_metadata=True)
-    except httpx2.ProxyError as e:
-        raise _translate(e, repo, revision) from None
-    except (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled) as e:
-        return _from_cache(repo, revision, _reason(e), e)
-    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
-        raise _translate(e, repo, revision) from None
-    except HfHubHTTPError as e:
-        if e.response is not None and e.response.status_code >= 500:  # Hub down: the cache may still serve
+        api = HfApi(endpoint=hub_endpoint(), token=_token(), library_name="mlxinfer")
+        try:
+            info = api.model_info(repo, revision=revision, files_metadata=True, timeout=hub_timeout())
+            siblings = [(s.rfilename, s.size) for s in info.siblings or []]
+        except httpx2.ProxyError as e:
+            raise _translate(e, repo, revision) from None
+        except (httpx2.ConnectError, httpx2.TimeoutException, httpx2.RemoteProtocolError, OfflineModeIsEnabled,
+                HubStalled) as e:
             return _from_cache(repo, revision, _reason(e), e)
-        raise _translate(e, repo, revision) from None
+        except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
+            raise _translate(e, repo, revision) from None
+        except HfHubHTTPError as e:
+            if e.response is not None and e.response.status_code >= 500:  # Hub down: the cache may still serve
+                return _from_cache(repo, revision, _reason(e), e)
+            raise _translate(e, repo, revision) from None
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # an answer that is not the Hub's JSON
+            return _from_cache(repo, revision, "", e, garbled=True)
 
-    siblings = info.siblings or []
-    _check_listing(repo, revision, [s.rfilename for s in siblings])
-    tracker = _ByteProgress(progress, sum(s.size or 0 for s in siblings if _wanted(s.rfilename)))
-    try:
-        with _quiet_hub_logs():
-            path = _snapshot(repo, revision, tqdm_class=tracker.bar_class(), max_workers=4)
-    except MlxinferError:
-        raise
-    except Exception as e:  # noqa: BLE001 - _translate re-raises anything that is not a Hub/network/disk error
-        raise _translate(e, repo, revision) from None
+        _check_listing(repo, revision, [name for name, _ in siblings])
+        tracker = _ByteProgress(progress, sum(size or 0 for name, size in siblings if _wanted(name)))
+        try:
+            with _quiet_hub_logs():
+                _precheck(repo, getattr(info, "sha", None) or revision, {name for name, _ in siblings})
+                path = _snapshot(repo, revision, tqdm_class=tracker.bar_class(), max_workers=4)
+        except MlxinferError:
+            raise
+        except Exception as e:  # noqa: BLE001 - _translate re-raises anything that is not a Hub/network/disk error
+            raise _translate(e, repo, revision) from None
+    finally:
+        _Watch.since = None
     tracker.finish()
     return _check_dir(path, _label(repo, revision))
+
+
+def _precheck(repo: str, revision: str | None, names: set[str]) -> None:
+    """Fetch config.json and tokenizer_config.json first and refuse a repo that asks for custom code or has a broken
+    config, before any weights are downloaded."""
+    from huggingface_hub import hf_hub_download
+
+    from ..engine.model_checks import check_config, read_config
+    from ..engine.trust import check_no_remote_code
+
+    folder = None
+    for name in _PRECHECK:
+        if name in names:
+            folder = Path(hf_hub_download(
+                repo, name, revision=revision, cache_dir=hub_cache_dir(), endpoint=hub_endpoint(), token=_token(),
+                library_name="mlxinfer",
+            )).parent
+    if folder is not None:
+        check_config(folder, read_config(folder))
+        check_no_remote_code(folder)

@@ -7,6 +7,9 @@ It answers the requests huggingface_hub (>= 1.0) makes for ``model_info`` / ``sn
   HEAD/GET /{repo}/resolve/{rev}/{file}         -> the bytes, with ETag / X-Repo-Commit headers
 and the Hub's error conventions (404 + ``X-Error-Code: RepoNotFound | RevisionNotFound | EntryNotFound``,
 401 + ``GatedRepo`` on a gated repo's files unless ``Authorization: Bearer <repo.token>``). Every request is logged in ``FakeHub.requests`` so tests can assert "no network".
+Faults: ``status`` answers every request with that HTTP error (no Hub error code, like a plain web server);
+``mode = "garbage"`` answers 200 with an HTML page; ``mode = "stall"`` reads the request and never answers
+(``"stall_files"``: only file downloads stall, the API answers).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class FakeRepo:
     token: str = "hf_fake_token"
     missing: set[str] = field(default_factory=set)            # listed by the API, 404 on download
     dropped: set[str] = field(default_factory=set)            # the connection dies halfway through the body
+    drop_times: int = 0                                        # drop only that many times (0: always)
 
     def commit_for(self, rev: str) -> str | None:
         if rev in self.revisions:
@@ -53,6 +57,9 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.connections: set = set()  # open client sockets, closed by stop() like a dying server would
         self.status: int | None = None  # set e.g. 503 to answer every request with that error (Hub outage)
+        self.mode: str | None = None    # "garbage" (200 + HTML) or "stall" (never answers) for every request
+        self.ranges: list[tuple[str, str]] = []  # (path, Range header) of resumed downloads
+        self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -95,6 +102,7 @@ class FakeHub:
             fake = hub
 
         # Reuse the same port after a stop()/start() so a cached endpoint stays valid.
+        self._stopping.clear()
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port or 0), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -104,6 +112,7 @@ class FakeHub:
 
     def stop(self) -> None:
         """Stop serving: later requests get 'connection refused', also on the client's keep-alive connections."""
+        self._stopping.set()  # releases stalled handlers
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -168,6 +177,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.fake.requests.append((self.command, unquote(path)))
         # Split before unquoting: a quoted revision such as refs%2Fpr%2F1 stays one segment.
         parts = [unquote(p) for p in path.split("/") if p]
+        stall = self.fake.mode == "stall" or (self.fake.mode == "stall_files" and "/resolve/" in path)
+        if stall:  # accept, read the request, never answer (until the fake Hub stops)
+            self.fake._stopping.wait(120)
+            self.close_connection = True
+            return
+        if self.fake.mode == "garbage":
+            return self._send(200, b"<html><body>Welcome to nginx!</body></html>", {"Content-Type": "text/html"}, head)
         if self.fake.status is not None:
             return self._error(self.fake.status, None, "Service Unavailable", head)
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
@@ -226,11 +242,17 @@ class _Handler(BaseHTTPRequestHandler):
         }
         status = 200
         rng = self.headers.get("Range")
+        if rng and not head:
+            self.fake.ranges.append((filename, rng))
         if rng and rng.startswith("bytes=") and not head:
             start = int(rng[6:].split("-")[0] or 0)
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
             data, status = data[start:], 206
         if filename in repo.dropped and not head:
+            if repo.drop_times:
+                repo.drop_times -= 1
+                if not repo.drop_times:
+                    repo.dropped.discard(filename)
             self.send_response(status)
             for k, v in {**headers, "Content-Length": str(len(data))}.items():
                 self.send_header(k, v)
