@@ -1,0 +1,84 @@
+"""``mlxinfer serve``: an OpenAI-compatible local server (continuous batching, prefix cache, metrics, limits)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from . import options as o
+
+
+def serve_cmd(
+    model: o.Model = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback needs "
+                                      "--api-key.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
+    parallel: Annotated[int, typer.Option("--parallel", "-P", help="Sequences decoded together at most.")] = 8,
+    queue_size: Annotated[int, typer.Option("--queue-size", help="Requests waiting for a slot at most "
+                                            "(more get 429).")] = 32,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="MLXINFER_API_KEY", show_envvar=True,
+                                                   help="Require 'Authorization: Bearer KEY'.")] = None,
+    max_body: Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (more get 413).")]
+    = 1 << 20,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds a request may take, queue included "
+                                           "(0 = no limit).")] = 600.0,
+    grace: Annotated[float, typer.Option("--grace", help="Seconds running requests get to finish after "
+                                         "SIGTERM.")] = 30.0,
+    prefix_cache_mb: Annotated[int, typer.Option("--prefix-cache-mb", help="Memory for the prefix cache "
+                                                 "(0 = off).")] = 512,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens prefilled between two "
+                                               "decode steps.")] = 256,
+    temp: o.Temp = None,
+    top_p: o.TopP = None,
+    top_k: o.TopK = None,
+    min_p: o.MinP = None,
+    repeat_penalty: o.RepeatPenalty = None,
+    max_tokens: o.MaxTokens = None,
+    seed: o.Seed = None,
+    kernels: o.Kernels = "auto",
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level: warning, info (one line "
+                                           "per request), debug.")] = "warning",
+):
+    """Serve MODEL over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), /health and /metrics.
+    Sampling flags override what requests ask for; --max-tokens caps every request."""
+    from ..engine.settings import resolve
+    from ..errors import InvalidParameter
+    from ..registry import Registry
+    from ..serve.app import ServeOptions
+    from ..serve.runner import check_bind, serve
+    from ..ui.progress import load_model
+
+    for name, value, low in (("--parallel", parallel, 1), ("--queue-size", queue_size, 0), ("--max-body", max_body, 1),
+                             ("--prefill-chunk", prefill_chunk, 1), ("--prefix-cache-mb", prefix_cache_mb, 0)):
+        if value < low:
+            raise InvalidParameter(f"invalid {name} {value}: must be >= {low}")
+    for name, value in (("--timeout", timeout), ("--grace", grace)):
+        if not value >= 0:
+            raise InvalidParameter(f"invalid {name} {value}: must be >= 0 seconds")
+    if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+        raise InvalidParameter(f"invalid --log-level {log_level!r}", hint="warning, info or debug")
+    check_bind(host, port, api_key)
+    registry = Registry.load()
+    spec = registry.resolve(model)
+    flags = {k: v for k, v in dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
+                                   max_tokens=max_tokens, seed=seed).items() if v is not None}
+    resolve(spec.defaults, None, flags)  # bad flag values fail here, before the model loads
+    loaded = load_model(spec, kernels=kernels)
+    resolve(spec.defaults, None, flags, loaded=loaded)
+    opts = ServeOptions(api_key=api_key, max_body=max_body, parallel=parallel, queue_size=queue_size,
+                        timeout=timeout or None, prefix_cache_bytes=prefix_cache_mb << 20,
+                        prefill_chunk=prefill_chunk, flags=flags)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"mlxinfer serve: {loaded.name} ({loaded.kernels}) on http://{shown}:{port}/v1 — parallel {parallel}, "
+          f"queue {queue_size}{', API key required' if api_key else ''} (Ctrl-C or SIGTERM to stop)",
+          file=sys.stderr, flush=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    serve(loaded, opts, host=host, port=port, grace=grace, log_level=log_level)
+    print("mlxinfer serve: stopped", file=sys.stderr, flush=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve", help="Serve a model over an OpenAI-compatible HTTP API (continuous batching).")(serve_cmd)

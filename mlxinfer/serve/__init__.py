@@ -1,0 +1,5 @@
+"""``mlxinfer serve``: an OpenAI-compatible HTTP server over the engine (see docs/serve.md).
+
+app.py (routes, OpenAI response shapes), schemas.py (request validation), scheduler.py (continuous batching),
+prefix_cache.py, metrics.py (Prometheus), runner.py (uvicorn, bind checks, graceful drain).
+"""

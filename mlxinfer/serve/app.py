@@ -1,0 +1,318 @@
+"""The HTTP side: Starlette routes speaking OpenAI's API over the engine (``scheduler.Engine``).
+
+POST /v1/chat/completions, POST /v1/completions (JSON or SSE streams), GET /v1/models, GET /health, GET /metrics.
+Every error is OpenAI's JSON shape with its status code. The API key (when set) is required on every route but
+/health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import schemas as s
+from .metrics import Metrics
+from .scheduler import Engine, Ticket
+
+
+@dataclass
+class ServeOptions:
+    api_key: str | None = None
+    max_body: int = 1 << 20
+    parallel: int = 8
+    queue_size: int = 32
+    timeout: float | None = 600.0
+    prefix_cache_bytes: int = 512 << 20
+    prefill_chunk: int = 256
+    flags: dict[str, Any] = field(default_factory=dict)  # sampling values from the command line (highest rank)
+
+
+class Api:
+    def __init__(self, loaded, opts: ServeOptions):
+        self.loaded, self.opts = loaded, opts
+        self.metrics = Metrics()
+        self.engine = Engine(loaded, self.metrics, parallel=opts.parallel, queue_size=opts.queue_size,
+                             prefix_cache_bytes=opts.prefix_cache_bytes, prefill_chunk=opts.prefill_chunk,
+                             timeout=opts.timeout)
+        spec = loaded.spec
+        self.model_id = loaded.name
+        self.names = {n for n in (loaded.name, spec.name, spec.alias, spec.repo) if n}
+        self.created = int(time.time())
+
+    # ---- plumbing -----------------------------------------------------------------------------------------
+    def _auth(self, request: Request) -> None:
+        key = self.opts.api_key
+        if not key:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise s.ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.opts.max_body
+        too_big = s.ApiError(413, f"the request body is larger than {limit} bytes (the server's --max-body)",
+                             code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _error(self, route: str, e: s.ApiError) -> JSONResponse:
+        self.metrics.requests.labels(route, str(e.status)).inc()
+        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    # ---- simple routes ------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.model_id, **self.engine.snapshot()})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except s.ApiError as e:
+            return self._error("/v1/models", e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlxinfer",
+             "context_length": self.loaded.context_length}]})
+
+    async def metrics_route(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except s.ApiError as e:
+            return self._error("/metrics", e)
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def _job(self, data: dict, kind: str) -> s.Job:
+        """Validate and tokenize (runs in a worker thread: templates and tokenizers take a while on long input)."""
+        from ..engine.generate import chat_prompt, encode_prompt
+        from ..errors import MlxinferError
+
+        loaded = self.loaded
+        if kind == "chat":
+            messages = s.chat_messages(data)
+        else:
+            prompt = s.completion_prompt(data)
+        model = data.get("model")
+        if model and model not in self.names:
+            raise s.ApiError(404, f"the model '{model}' does not exist here; this server runs '{self.model_id}' "
+                             "(GET /v1/models)", param="model", code="model_not_found")
+        params = s.resolve_params(data, loaded, self.opts.flags, loaded.spec.defaults)
+        stop = s._stop(data)
+        logprobs = s.logprobs_setting(data, kind)
+        stream, include_usage = s.stream_settings(data)
+        try:
+            if kind == "chat":
+                system = loaded.spec.defaults.get("system")
+                if system and not any(m["role"] == "system" for m in messages):
+                    messages = [{"role": "system", "content": system}] + messages
+                tokens = chat_prompt(loaded, messages)
+            elif isinstance(prompt, str):
+                tokens = encode_prompt(loaded, prompt)
+            else:
+                tokens = prompt
+                vocab = len(loaded.tokenizer.vocab) if hasattr(loaded.tokenizer, "vocab") else None
+                if vocab and max(tokens) >= vocab:
+                    raise s.bad(f"token id {max(tokens)} is outside the vocabulary (size {vocab})", param="prompt")
+        except (MlxinferError, ValueError, TypeError) as e:
+            raise s.bad(f"cannot build the prompt: {e}", param="messages" if kind == "chat" else "prompt") from None
+        if not tokens:
+            raise s.bad("the prompt is empty", param="prompt")
+        budget = s.max_tokens(data, kind, len(tokens), loaded.context_length, params.max_tokens)
+        cap = self.opts.flags.get("max_tokens", -1)
+        budget = min(budget, cap) if cap > 0 else budget  # the server's --max-tokens caps every request
+        return s.Job(kind, tokens, params, budget, stop, logprobs, stream, include_usage)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat", "/v1/chat/completions")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion", "/v1/completions")
+
+    async def _generate(self, request: Request, kind: str, route: str) -> Response:
+        try:
+            self._auth(request)
+            data = s.parse_json(await self._body(request))
+            job = await run_in_threadpool(self._job, data, kind)
+            ticket = Ticket(job, asyncio.get_running_loop(), asyncio.Queue())
+            self.engine.submit(ticket)
+        except s.ApiError as e:
+            return self._error(route, e)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+        fmt = Formatter(kind, rid, self.model_id, job)
+        if job.stream:
+            return StreamingResponse(self._stream(ticket, fmt, route), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect(request, ticket, fmt, route)
+
+    async def _events(self, ticket: Ticket) -> AsyncIterator[tuple]:
+        while True:
+            event = await ticket.queue.get()
+            yield event
+            if event[0] != "text":
+                return
+
+    async def _collect(self, request: Request, ticket: Ticket, fmt: "Formatter", route: str) -> Response:
+        pieces, entries = [], []
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(ticket.queue.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self.engine.cancel(ticket)
+                        self.metrics.requests.labels(route, "499").inc()
+                        return Response(status_code=499)
+                    continue
+                if event[0] == "text":
+                    pieces.append(event[1])
+                    entries += event[2]
+                elif event[0] == "error":
+                    return self._error(route, event[1])
+                else:
+                    self.metrics.requests.labels(route, "200").inc()
+                    return JSONResponse(fmt.whole("".join(pieces), entries, event[1], event[2]))
+        except asyncio.CancelledError:
+            self.engine.cancel(ticket)
+            raise
+
+    async def _stream(self, ticket: Ticket, fmt: "Formatter", route: str) -> AsyncIterator[str]:
+        status = "499"  # until the stream ends on its own, the client went away
+        try:
+            if fmt.kind == "chat":
+                yield _sse(fmt.chunk({"role": "assistant", "content": ""}, None))
+            async for event in self._events(ticket):
+                if event[0] == "text":
+                    if event[1] or event[2]:
+                        yield _sse(fmt.piece(event[1], event[2]))
+                elif event[0] == "error":
+                    status = str(event[1].status)
+                    yield _sse(event[1].body())
+                    return
+                else:
+                    yield _sse(fmt.last(event[1], event[2]))
+                    if fmt.job.include_usage:
+                        yield _sse(fmt.usage_chunk(event[2]))
+                    yield "data: [DONE]\n\n"
+                    status = "200"
+        finally:
+            if status == "499":
+                self.engine.cancel(ticket)
+            self.metrics.requests.labels(route, status).inc()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Formatter:
+    """OpenAI's response objects for one request (chat.completion / text_completion, whole or as chunks)."""
+
+    def __init__(self, kind: str, rid: str, model: str, job: s.Job):
+        self.kind, self.rid, self.model, self.job = kind, rid, model, job
+        self.created = int(time.time())
+        self.offset = 0  # text_offset for completion logprobs
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    @staticmethod
+    def usage(u: dict) -> dict:
+        return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["total_tokens"], "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+    def logprobs(self, entries: list[dict], text: str = "") -> dict | None:
+        if self.job.logprobs is None:
+            return None
+        if self.kind == "chat":
+            item = lambda tok, lp: {"token": tok, "logprob": lp, "bytes": list(tok.encode())}  # noqa: E731
+            return {"content": [{**item(e["token"], e["logprob"]),
+                                 "top_logprobs": [item(t, v) for _, t, v in e["top"]]} for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t: v for _, t, v in e["top"]} for e in entries], "text_offset": offsets}
+
+    def whole(self, text: str, entries: list[dict], finish: str, usage: dict) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs(entries), "finish_reason": finish}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(usage)}
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs(entries), "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(usage)}
+
+    def chunk(self, delta: dict, finish: str | None, entries: list[dict] | None = None) -> dict:
+        lp = self.logprobs(entries) if entries else None
+        if self.kind == "chat":
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": delta.get("content", ""), "logprobs": lp, "finish_reason": finish}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if self.job.include_usage:
+            out["usage"] = None
+        return out
+
+    def piece(self, text: str, entries: list[dict]) -> dict:
+        return self.chunk({"content": text}, None, entries)
+
+    def last(self, finish: str, _usage: dict) -> dict:
+        return self.chunk({}, finish)
+
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage(usage)}
+
+
+def create_app(loaded, opts: ServeOptions) -> Starlette:
+    api = Api(loaded, opts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        api.engine.start()
+        try:
+            yield
+        finally:
+            api.engine.stop()
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(s.ApiError(exc.status_code, msg, code=code).body(), status_code=exc.status_code)
+
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics_route, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.state.api = api
+    return app

@@ -1,0 +1,65 @@
+"""Run the app on uvicorn: checks before the model loads (address, key, port), a graceful drain on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+
+from ..errors import InvalidParameter
+from .app import ServeOptions, create_app
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, port: int, api_key: str | None) -> None:
+    """Refuse what should not start: a non-loopback address without an API key, a port that is taken."""
+    if not is_loopback(host) and not api_key:
+        raise InvalidParameter(f"refusing to listen on {host} without an API key",
+                               hint="pass --api-key KEY (or set MLXINFER_API_KEY), or bind 127.0.0.1")
+    if not 0 <= port <= 65535:
+        raise InvalidParameter(f"invalid port {port}: must be between 0 and 65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise InvalidParameter(f"cannot resolve the address {host!r} ({e.strerror})", hint="check --host") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            raise InvalidParameter(f"cannot listen on {host}:{port} ({e.strerror})",
+                                   hint="choose another --port, or stop what uses it") from None
+
+
+def serve(loaded, opts: ServeOptions, *, host: str, port: int, grace: float, log_level: str = "warning") -> None:
+    """Serve until SIGTERM/SIGINT; then stop accepting, let running requests finish within ``grace`` seconds and
+    return (the command exits 0)."""
+    import uvicorn
+
+    app = create_app(loaded, opts)
+    engine = app.state.api.engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            engine.draining = True  # requests arriving on open connections get 503 from now on
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                # A drained shutdown is the clean end of a server, not a signal to re-raise.
+                self._captured_signals.clear()
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=grace)
+    Server(config).run()

@@ -1,0 +1,382 @@
+"""Continuous batching: one engine thread owns the model; requests join and leave the running batch at token
+boundaries.
+
+* A new request takes the longest stored prefix from the prefix cache, then prefills the rest alone (a plain
+  ``KVCache``, the fast single-sequence path) in chunks, one chunk between two decode steps so running streams
+  keep flowing.
+* Prefilled sequences join the decode batch. One sequence decodes on its own plain ``KVCache`` (the native
+  one-op-per-layer path); two or more share a left-padded ``BatchKVCache`` (mlx-lm's ``merge``/``extend``/
+  ``filter``/``extract``), and when the batch shrinks back to one the cache is extracted to a plain one again.
+* Each sequence keeps its own sampler, logits processors, random state (a ``seed`` reproduces its output whatever
+  else runs), stop strings, token budget and logprobs setting.
+* A cancelled (client gone) or timed-out request leaves the batch before the next step; a finished one leaves
+  its KV cache to the prefix cache.
+
+Results go back to the HTTP side through ``Ticket.push`` (thread-safe, onto the request's asyncio queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.generate import _holdback
+from ..engine.sampling import make_logits_processors, make_sampler, repair_random_state
+from .prefix_cache import PrefixCache
+from .schemas import ApiError, Job
+
+
+@dataclass
+class Ticket:
+    """One request's handle: the job, where its events go, and whether the client still wants them.
+
+    Events: ("text", piece, [logprob entries]), ("done", finish_reason, usage), ("error", ApiError)."""
+
+    job: Job
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None
+    cancelled: bool = False
+
+    def push(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+class _Seq:
+    def __init__(self, ticket: Ticket, cache: list, reused: int, tokenizer):
+        import mlx.core as mx
+
+        job = ticket.job
+        self.ticket, self.job, self.cache, self.reused = ticket, job, cache, reused
+        self.todo = job.prompt[reused:-1]           # prompt tokens still to prefill (the last one is fed by decode)
+        self.next_input = job.prompt[-1]
+        self.history = list(job.prompt)             # prompt + generated: what the repetition penalty looks at
+        self.generated = 0
+        self.sampler = make_sampler(job.params)
+        self.greedy = job.params.temperature == 0
+        self.processors = make_logits_processors(job.params)
+        self.rng = mx.random.key(job.params.seed) if job.params.seed is not None and not self.greedy else None
+        self.detok = tokenizer.detokenizer
+        self.text, self.emitted, self.last = "", 0, 0.0
+        self.pending_lp: list[dict] = []
+        self.stopped_by_string = False
+
+    def sample(self, logprobs):
+        """This sequence's sampler on its row, with its own random state when it has a seed."""
+        import mlx.core as mx
+
+        if self.rng is None:
+            return self.sampler(logprobs)
+        saved = mx.random.state[0]
+        mx.random.state[0] = self.rng
+        try:
+            out = self.sampler(logprobs)
+            self.rng = mx.random.state[0]
+        finally:
+            mx.random.state[0] = saved
+        return out
+
+
+class Engine:
+    def __init__(self, loaded, metrics, *, parallel: int = 8, queue_size: int = 32, prefix_cache_bytes: int = 0,
+                 prefill_chunk: int = 256, timeout: float | None = None):
+        self.loaded, self.model, self.metrics = loaded, loaded.model, metrics
+        self.parallel, self.queue_size, self.prefill_chunk, self.timeout = parallel, queue_size, prefill_chunk, timeout
+        self.prefix = PrefixCache(prefix_cache_bytes)
+        self._cond = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._prefilling: deque[_Seq] = deque()
+        self._batch: list[_Seq] = []
+        self._bcache: list | None = None   # plain KVCache per layer for one sequence, BatchKVCache for several
+        self._stopping = False
+        self.draining = False
+        self._thread = threading.Thread(target=self._run, name="mlxinfer-engine", daemon=True)
+
+    # ---- the HTTP side ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, ticket: Ticket) -> None:
+        if self.timeout:
+            ticket.deadline = ticket.arrival + self.timeout
+        with self._cond:
+            if self.draining or self._stopping:
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            busy = len(self._prefilling) + len(self._batch)
+            if busy >= self.parallel and len(self._waiting) >= self.queue_size:
+                raise ApiError(429, f"the server is busy ({busy} sequences running, {len(self._waiting)} requests "
+                               "queued); retry later", code="queue_full")
+            self._waiting.append(ticket)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify()
+
+    def cancel(self, ticket: Ticket) -> None:
+        with self._cond:
+            ticket.cancelled = True
+            self._cond.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the engine thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._waiting or self._prefilling or self._batch):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                new = []
+                while self._waiting and len(self._prefilling) + len(self._batch) + len(new) < self.parallel:
+                    new.append(self._waiting.popleft())
+                expired = self._expired_waiting()
+                self.metrics.queue_depth.set(len(self._waiting))
+            for t in expired:
+                t.push(("error", ApiError(503, "the request timed out in the queue", code="timeout")))
+            try:
+                for t in new:
+                    self._admit(t)
+                self._reap()
+                if self._prefilling:
+                    self._prefill_step()
+                if self._batch:
+                    self._decode_step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
+                self._fail_all(e)
+        self._fail_all(None)
+
+    def _expired_waiting(self) -> list[Ticket]:
+        now, out = time.perf_counter(), []
+        for t in list(self._waiting):
+            if t.cancelled or (t.deadline is not None and now > t.deadline):
+                self._waiting.remove(t)
+                if not t.cancelled:
+                    out.append(t)
+        return out
+
+    def _admit(self, ticket: Ticket) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if ticket.cancelled:
+            return
+        job = ticket.job
+        n, cache = self.prefix.lookup(job.prompt)
+        m = self.metrics
+        m.prefix_lookups.inc()
+        if n:
+            m.prefix_hits.inc()
+            m.prefix_tokens.inc(n)
+        m.prompt_tokens.inc(len(job.prompt))
+        m.prefill_tokens.inc(len(job.prompt) - n)
+        seq = _Seq(ticket, cache or make_prompt_cache(self.model), n, self.loaded.tokenizer)
+        self._prefilling.append(seq)
+        self._update_gauges()
+
+    def _reap(self) -> None:
+        """Cancelled and timed-out requests leave (a cancelled one within a token of its client going away)."""
+        now = time.perf_counter()
+
+        def gone(s: _Seq) -> bool:
+            return s.ticket.cancelled or (s.ticket.deadline is not None and now > s.ticket.deadline)
+
+        for s in [s for s in self._prefilling if gone(s)]:
+            self._prefilling.remove(s)
+            self._finish(s, None)
+        leaving = [i for i, s in enumerate(self._batch) if gone(s)]
+        if leaving:
+            self._leave(leaving, {i: None for i in leaving})
+
+    def _prefill_step(self) -> None:
+        import mlx.core as mx
+
+        seq = self._prefilling[0]
+        chunk, seq.todo = seq.todo[:self.prefill_chunk], seq.todo[self.prefill_chunk:]
+        if chunk:
+            self.model(mx.array([chunk]), cache=seq.cache)
+            mx.eval([c.state for c in seq.cache])
+        if not seq.todo:
+            self._prefilling.popleft()
+            self._join(seq)
+
+    def _join(self, seq: _Seq) -> None:
+        from mlx_lm.models.cache import BatchKVCache
+
+        if not self._batch:
+            self._bcache = seq.cache
+        elif len(self._batch) == 1:
+            self._bcache = [BatchKVCache.merge([a, b]) for a, b in zip(self._bcache, seq.cache)]
+        else:
+            for bc, c in zip(self._bcache, seq.cache):
+                bc.extend(BatchKVCache.merge([c]))
+        seq.cache = None
+        self._batch.append(seq)
+        self._update_gauges()
+
+    def _leave(self, leaving: list[int], reasons: dict[int, str | None]) -> None:
+        """Remove batch rows ``leaving``; rows with a finish reason leave their KV cache to the prefix cache."""
+        batch, caches = self._batch, self._bcache
+        for i in leaving:
+            seq = batch[i]
+            if reasons[i] is not None and self.prefix.max_bytes > 0:
+                own = caches if len(batch) == 1 else [bc.extract(i) for bc in caches]
+                self.prefix.store(seq.history[:-1], own)
+            self._finish(seq, reasons[i])
+        keep = [i for i in range(len(batch)) if i not in set(leaving)]
+        self._batch = [batch[i] for i in keep]
+        if not keep:
+            self._bcache = None
+        elif len(keep) == 1 and len(batch) > 1:
+            self._bcache = [bc.extract(keep[0]) for bc in caches]  # back to the single-sequence fast path
+        elif len(keep) < len(batch):
+            for bc in caches:
+                bc.filter(keep)
+        self._update_gauges()
+
+    def _decode_step(self) -> None:
+        import mlx.core as mx
+
+        batch = self._batch
+        inputs = mx.array([[s.next_input] for s in batch])
+        logits = self.model(inputs, cache=self._bcache)[:, -1, :]
+        if any(s.processors for s in batch):
+            rows = []
+            for i, s in enumerate(batch):
+                row = logits[i:i + 1]
+                if s.processors:
+                    context = mx.array(s.history[-s.job.params.repeat_context:])
+                    for p in s.processors:
+                        row = p(context, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if all(s.greedy for s in batch):
+            sampled = mx.argmax(logprobs, axis=-1)
+        else:
+            sampled = mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(batch)], axis=0)
+        mx.eval(sampled)
+        tokens = sampled.tolist()
+        entries = self._logprob_entries(logprobs, tokens)
+        now = time.perf_counter()
+        self.metrics.batch_size.set(len(batch))
+        reasons = {}
+        for i, (s, tok) in enumerate(zip(batch, tokens)):
+            reason = self._on_token(s, tok, entries.get(i), now)
+            if reason is not None:
+                reasons[i] = reason
+        if reasons:
+            self._leave(sorted(reasons), reasons)
+
+    def _logprob_entries(self, logprobs, tokens: list[int]) -> dict[int, dict]:
+        import mlx.core as mx
+
+        want = [(i, s.job.logprobs) for i, s in enumerate(self._batch) if s.job.logprobs is not None]
+        if not want:
+            return {}
+        tok = self.loaded.tokenizer
+        rows = [logprobs[i] for i, _ in want]
+        tops = [mx.argpartition(-r, k - 1)[:k] if k else None for r, (_, k) in zip(rows, want)]
+        mx.eval(rows, [t for t in tops if t is not None])
+        out = {}
+        for (i, k), r, top in zip(want, rows, tops):
+            alts = []
+            if top is not None:
+                ids = top.tolist()
+                vals = r[top].tolist()
+                alts = sorted(((t, tok.decode([t]), v) for t, v in zip(ids, vals)), key=lambda a: -a[2])
+            out[i] = {"id": tokens[i], "token": tok.decode([tokens[i]]), "logprob": r[tokens[i]].item(), "top": alts}
+        return out
+
+    def _on_token(self, s: _Seq, tok: int, entry: dict | None, now: float) -> str | None:
+        """Account one sampled token; emit text; returns the finish reason when the sequence is done."""
+        m = self.metrics
+        if s.generated == 0:
+            m.ttft.observe(now - s.ticket.arrival)
+        else:
+            m.itl.observe(now - s.last)
+        s.last = now
+        s.generated += 1
+        m.generation_tokens.inc()
+        s.history.append(tok)
+        s.next_input = tok
+        if tok in self.loaded.eos_token_ids:
+            return "stop"
+        if entry is not None:
+            s.pending_lp.append(entry)
+        s.detok.add_token(tok)
+        s.text += s.detok.last_segment
+        stops = s.job.stop
+        if stops:
+            found = min((p for p in (s.text.find(x, max(0, s.emitted - len(x))) for x in stops) if p >= 0),
+                        default=-1)
+            if found >= 0:
+                self._emit(s, s.text[s.emitted:found])
+                s.emitted, s.stopped_by_string = len(s.text), True
+                return "stop"
+        safe = len(s.text) - _holdback(s.text, stops)
+        if safe > s.emitted or s.pending_lp:
+            self._emit(s, s.text[s.emitted:safe])
+            s.emitted = max(safe, s.emitted)
+        return "length" if s.generated >= s.job.max_tokens else None
+
+    def _emit(self, s: _Seq, piece: str) -> None:
+        s.ticket.push(("text", piece, s.pending_lp))
+        s.pending_lp = []
+
+    def _finish(self, s: _Seq, reason: str | None) -> None:
+        """reason None: cancelled (nothing to say) or timed out (an error the client may still read)."""
+        if reason is None:
+            if not s.ticket.cancelled:
+                s.ticket.push(("error", ApiError(503, "the request timed out", code="timeout")))
+            return
+        if not s.stopped_by_string:  # the held-back tail and the detokenizer's last bytes belong to the reply
+            s.detok.finalize()
+            s.text += s.detok.last_segment
+            if len(s.text) > s.emitted or s.pending_lp:
+                self._emit(s, s.text[s.emitted:])
+                s.emitted = len(s.text)
+        usage = {"prompt_tokens": len(s.job.prompt), "completion_tokens": s.generated,
+                 "total_tokens": len(s.job.prompt) + s.generated, "cached_tokens": s.reused}
+        s.ticket.push(("done", reason, usage))
+
+    def _fail_all(self, error: Exception | None) -> None:
+        """An exception in a step (or the engine stopping) ends every request it holds with a 500/503."""
+        err = ApiError(500, f"internal error: {type(error).__name__}: {error}") if error is not None else \
+            ApiError(503, "the server is shutting down", code="shutting_down")
+        seqs = list(self._prefilling) + self._batch
+        with self._cond:
+            waiting = list(self._waiting) if error is None else []
+            if error is None:
+                self._waiting.clear()
+        for s in seqs:
+            s.ticket.push(("error", err))
+        for t in waiting:
+            t.push(("error", err))
+        self._prefilling.clear()
+        self._batch, self._bcache = [], None
+        if error is not None:
+            repair_random_state()
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(len(self._prefilling) + len(self._batch))
+        kv = sum(c.nbytes for c in self._bcache or [] if getattr(c, "keys", None) is not None)
+        kv += sum(c.nbytes for s in self._prefilling for c in s.cache if getattr(c, "keys", None) is not None)
+        m.kv_bytes.set(kv)
+        m.prefix_bytes.set(self.prefix.nbytes)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"running": len(self._prefilling) + len(self._batch), "queued": len(self._waiting),
+                "prefix_cache_entries": len(self.prefix), "prefix_cache_bytes": self.prefix.nbytes}
