@@ -14,7 +14,7 @@ import typer
 
 from .. import __version__
 
-COMMANDS = ("chat", "generate", "bench", "convert", "models")
+COMMANDS = ("chat", "generate", "bench", "convert", "models", "serve")
 
 app = typer.Typer(
     name="mlxinfer",
