@@ -68,6 +68,8 @@ def check_hf_dir(path: Path) -> dict:
             "mlxinfer never runs code from a model", hint="pick a model whose architecture mlx-lm supports",
         )
     _check_architecture(path, config)
+    from ..engine.trust import check_no_remote_code  # tokenizer auto_map / custom tokenizer_class too (issue #12)
+    check_no_remote_code(path)
     return config
 
 

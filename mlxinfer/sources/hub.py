@@ -28,7 +28,7 @@ IGNORE_PATTERNS = ["*/*"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 DEFAULT_TIMEOUT = 10.0  # seconds to connect, or to wait for the next bytes, per request
-STALL_REQUESTS = 3      # no answer for this many timeouts in a row: give up (no more retries)
+STALL_REQUESTS = 2      # silent for this many timeouts: give up rather than retry (10 s each: ~30 s at most)
 _PRECHECK = ("config.json", "tokenizer_config.json")  # read before any weights are fetched
 
 

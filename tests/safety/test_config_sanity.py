@@ -1,0 +1,148 @@
+"""config.json is checked before mlx-lm builds anything: not an object, wrong types, absurd sizes and sizes that
+contradict the safetensors headers actually present each get one line naming the file and field, exit 2, fast
+(only the headers are read). Safetensors headers that lie about the data are refused the same way."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import pytest
+from safety_cli import assert_one_line_error, run, write_tiny_llama
+
+from mlxinfer.engine.model_checks import check_model_files, safetensors_header
+from mlxinfer.errors import InvalidModel
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _copy(tiny: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for p in tiny.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def _config(tiny: Path) -> dict:
+    return json.loads((tiny / "config.json").read_text())
+
+
+def _without(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+CASES = {
+    # name: (config transform, needles in the one line)
+    "json_list": (lambda c: [c], ("config.json", "JSON list")),
+    "json_string": (lambda c: "llama", ("config.json", "JSON string")),
+    "hidden_size_str": (lambda c: {**c, "hidden_size": "big"}, ("'hidden_size'", "'big'", "not a whole number")),
+    "hidden_size_float": (lambda c: {**c, "hidden_size": 64.5}, ("'hidden_size'", "not a whole number")),
+    "layers_bool": (lambda c: {**c, "num_hidden_layers": True}, ("'num_hidden_layers'", "not a whole number")),
+    "no_model_type": (lambda c: _without(c, "model_type"), ("has no 'model_type'", "architecture")),
+    "model_type_list": (lambda c: {**c, "model_type": ["llama"]}, ("'model_type'", "not an architecture name")),
+    "layers_1e9": (lambda c: {**c, "num_hidden_layers": 10**9}, ("'num_hidden_layers'", "1000000000", "outside")),
+    "hidden_zero": (lambda c: {**c, "hidden_size": 0}, ("'hidden_size'", "is 0")),
+    "hidden_negative": (lambda c: {**c, "hidden_size": -64}, ("'hidden_size'", "-64")),
+    "vocab_huge": (lambda c: {**c, "vocab_size": 10**12}, ("'vocab_size'", "outside")),
+    "heads_zero": (lambda c: {**c, "num_attention_heads": 0}, ("'num_attention_heads'", "is 0")),
+    "heads_vs_kv": (lambda c: {**c, "num_key_value_heads": 3}, ("'num_attention_heads'", "'num_key_value_heads'")),
+    "eps_string": (lambda c: {**c, "rms_norm_eps": "tiny"}, ("'rms_norm_eps'", "not a positive number")),
+    "text_config": (lambda c: {**c, "text_config": {"hidden_size": "big"}}, ("'text_config.hidden_size'",)),
+    "quantization": (lambda c: {**c, "quantization": {"bits": "four", "group_size": 64}}, ("'quantization'",)),
+    # plausible on their own, contradicted by the weights (256 x 64 embedding, 2 layers)
+    "vocab_vs_weights": (lambda c: {**c, "vocab_size": 512}, ("vocab_size 512", "256 rows")),
+    "hidden_vs_weights": (lambda c: {**c, "hidden_size": 128, "head_dim": 16}, ("hidden_size 128", "64 wide")),
+    "layers_vs_weights": (lambda c: {**c, "num_hidden_layers": 40}, ("num_hidden_layers 40", "hold 2 layers")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_config_is_refused_in_one_line(tiny, tmp_path, case):
+    transform, needles = CASES[case]
+    d = _copy(tiny, tmp_path / case)
+    (d / "config.json").write_text(json.dumps(transform(_config(tiny))))
+    start = time.monotonic()
+    proc = run("generate", str(d), "-p", "hi", "--max-tokens", "2")
+    elapsed = time.monotonic() - start
+    line = assert_one_line_error(proc, *needles)
+    assert str(d) in line
+    assert elapsed < 30, elapsed  # nothing big was built or allocated first
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_checks_run_before_mlx_lm(tiny, tmp_path, case, monkeypatch):
+    """The same refusals through the API, with mlx-lm's model builder made to fail the test if it is reached."""
+    import mlx_lm.utils
+
+    import mlxinfer
+
+    def must_not_build(*a, **k):
+        raise AssertionError("mlx-lm was asked to build the model")
+
+    monkeypatch.setattr(mlx_lm.utils, "load_model", must_not_build)
+    transform, needles = CASES[case]
+    d = _copy(tiny, tmp_path / case)
+    (d / "config.json").write_text(json.dumps(transform(_config(tiny))))
+    with pytest.raises(InvalidModel) as e:
+        mlxinfer.load(str(d), kernels="builtin")
+    assert "\n" not in str(e.value) and needles[0].lower() in str(e.value).lower()
+
+
+def test_the_tiny_model_itself_passes(tiny):
+    assert check_model_files(tiny)["model_type"] == "llama"
+
+
+def test_quantized_embedding_width_is_unpacked(tmp_path):
+    """A 4-bit embedding is stored as uint32 columns (8 values each); its width is compared unpacked."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256)
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = {**vars(args), "quantization": {"group_size": 32, "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert check_model_files(tmp_path)["hidden_size"] == 64
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 128, "head_dim": 16}))
+    with pytest.raises(InvalidModel, match="hidden_size 128 but model.embed_tokens.weight in the weights is 64 wide"):
+        check_model_files(tmp_path)
+
+
+def _write_header(path: Path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("length_beyond_file", "header length"),
+    ("offsets_beyond_file", "is truncated"),
+    ("shape_larger_than_data", "inconsistent header entry"),
+    ("not_json", "corrupt safetensors header"),
+    ("negative_dim", "inconsistent header entry"),
+])
+def test_lying_safetensors_headers(tiny, tmp_path, case, needle):
+    d = _copy(tiny, tmp_path / case)
+    st = d / "model.safetensors"
+    if case == "length_beyond_file":
+        st.write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    elif case == "offsets_beyond_file":
+        _write_header(st, {"w": {"dtype": "F32", "shape": [1024, 1024], "data_offsets": [0, 4 << 20]}}, b"\0" * 64)
+    elif case == "shape_larger_than_data":
+        _write_header(st, {"w": {"dtype": "F32", "shape": [10**6, 10**6], "data_offsets": [0, 64]}}, b"\0" * 64)
+    elif case == "not_json":
+        st.write_bytes(struct.pack("<Q", 8) + b"\xff\xfe{nope" + b"\0" * 64)
+    else:
+        _write_header(st, {"w": {"dtype": "F32", "shape": [-4, 4], "data_offsets": [0, 64]}}, b"\0" * 64)
+    with pytest.raises(InvalidModel, match=needle):
+        safetensors_header(st)
+    proc = run("generate", str(d), "-p", "hi", "--max-tokens", "2")
+    assert_one_line_error(proc, "model.safetensors", needle)
