@@ -30,6 +30,8 @@ class Metrics:
         self.queue_depth = Gauge("mlxinfer_queue_depth", "Requests waiting for a sequence slot.", registry=r)
         self.running = Gauge("mlxinfer_running_sequences", "Sequences being prefilled or decoded.", registry=r)
         self.batch_size = Gauge("mlxinfer_decode_batch_size", "Sequences in the last decode step.", registry=r)
+        self.batch_peak = Gauge("mlxinfer_decode_batch_size_max", "The largest decode batch since the start.",
+                                registry=r)
         self.kv_bytes = Gauge("mlxinfer_kv_cache_bytes", "Bytes held by the running sequences' KV caches.",
                               registry=r)
         self.prefix_bytes = Gauge("mlxinfer_prefix_cache_bytes", "Bytes held by the prefix cache.", registry=r)

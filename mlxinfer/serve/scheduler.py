@@ -70,19 +70,23 @@ class _Seq:
         self.stopped_by_string = False
 
     def sample(self, logprobs):
-        """This sequence's sampler on its row, with its own random state when it has a seed."""
+        """This sequence's sampler on its row. With a seed it draws from its own key (mlx-lm's samplers use the
+        global random state, which other sequences advance), through the same filters."""
         import mlx.core as mx
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         if self.rng is None:
             return self.sampler(logprobs)
-        saved = mx.random.state[0]
-        mx.random.state[0] = self.rng
-        try:
-            out = self.sampler(logprobs)
-            self.rng = mx.random.state[0]
-        finally:
-            mx.random.state[0] = saved
-        return out
+        p = self.job.params
+        self.rng, key = mx.random.split(self.rng)
+        x = logprobs
+        if 0 < p.top_p < 1:
+            x = apply_top_p(x, p.top_p)
+        if p.min_p > 0:
+            x = apply_min_p(x, p.min_p)
+        if 0 < p.top_k < x.shape[-1]:
+            x = apply_top_k(x, p.top_k)
+        return mx.random.categorical(x * (1 / p.temperature), key=key)
 
 
 class Engine:
@@ -97,6 +101,7 @@ class Engine:
         self._batch: list[_Seq] = []
         self._bcache: list | None = None   # plain KVCache per layer for one sequence, BatchKVCache for several
         self._stopping = False
+        self._peak = 0
         self.draining = False
         self._thread = threading.Thread(target=self._run, name="mlxinfer-engine", daemon=True)
 
@@ -270,6 +275,9 @@ class Engine:
         entries = self._logprob_entries(logprobs, tokens)
         now = time.perf_counter()
         self.metrics.batch_size.set(len(batch))
+        if len(batch) > self._peak:
+            self._peak = len(batch)
+            self.metrics.batch_peak.set(self._peak)
         reasons = {}
         for i, (s, tok) in enumerate(zip(batch, tokens)):
             reason = self._on_token(s, tok, entries.get(i), now)

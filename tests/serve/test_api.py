@@ -1,0 +1,182 @@
+"""The OpenAI routes through the official ``openai`` client against a real server: replies, streams, usage,
+logprobs, stop strings, concurrency, the prefix cache and the metrics."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+import mlxinfer
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def local():
+    """The same model in this process, same kernels as the server (for prompt token counts and reference text)."""
+    return mlxinfer.load("smollm2")
+
+
+def _reference(local, messages, n: int) -> str:
+    tokens = mlxinfer.chat_prompt(local, messages)
+    return mlxinfer.generate(local, tokens, mlxinfer.SamplingParams(temperature=0, max_tokens=n))
+
+
+def test_chat_reply_and_usage(server, local):
+    r = server.client().chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=24)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == "smollm2" and r.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant"
+    assert choice.message.content == _reference(local, QUESTION, 24)
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(mlxinfer.chat_prompt(local, QUESTION))
+    assert 1 <= r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_equals_whole_reply_with_usage(server):
+    client = server.client()
+    whole = client.chat.completions.create(messages=QUESTION, model="smollm2", temperature=0, max_tokens=20)
+    chunks = list(client.chat.completions.create(messages=QUESTION, model="smollm2", temperature=0, max_tokens=20,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completions_whole_and_streamed(server, local):
+    client = server.client()
+    prompt = "1, 2, 3, 4, 5,"
+    r = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=10)
+    assert r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
+    assert r.usage.prompt_tokens == len(mlxinfer.engine.generate.encode_prompt(local, prompt))
+    assert r.choices[0].text == mlxinfer.generate(local, prompt, mlxinfer.SamplingParams(temperature=0, max_tokens=10))
+    streamed = list(client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=10,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_cut_the_reply(server):
+    client = server.client()
+    full = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=24)
+    text = full.choices[0].message.content
+    cut = text.index("Paris")
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
+                                                         max_tokens=24, stop=["Paris"], stream=True))
+            got = "".join(c.choices[0].delta.content or "" for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            r = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=24,
+                                               stop=["Paris"])
+            got, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert got == text[:cut]
+        assert finish == "stop"
+
+
+def test_logprobs(server):
+    r = server.client().chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=8,
+                                                logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert 1 <= len(content) <= 8
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        values = [t.logprob for t in e.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+    c = server.client().completions.create(model="smollm2", prompt="The sky is", temperature=0, max_tokens=4,
+                                           logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_seeded_sampling_is_reproducible(server):
+    client = server.client()
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": "Write a word."}], temperature=1.0,
+              max_tokens=12, seed=1234)
+    assert client.chat.completions.create(**kw).choices[0].message.content == \
+        client.chat.completions.create(**kw).choices[0].message.content
+
+
+def test_models_and_unknown_model(server):
+    import openai
+
+    client = server.client()
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["smollm2"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=QUESTION, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+
+
+QUESTIONS = ["What is 2+2?", "Name a color.", "Tell me a joke about cats.", "Hi!", "What is the capital of Italy?",
+             "Say something about the sea.", "Count to five.", "What do bees make?"]
+
+
+def test_eight_concurrent_greedy_streams_equal_sequential_runs(server):
+    client = server.client()
+
+    def ask(q: str) -> str:
+        chunks = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
+                                                temperature=0, max_tokens=24, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    sequential = [ask(q) for q in QUESTIONS]
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(ask, QUESTIONS))
+    assert concurrent == sequential
+    assert server.metrics()[("mlxinfer_decode_batch_size_max", ())] >= 4  # they really decoded together
+
+
+def test_prefix_cache_reuses_the_conversation(server, local):
+    client = server.client()
+    first = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=16)
+    turn2 = QUESTION + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And of Germany?"}]
+    before = server.metrics()
+    second = client.chat.completions.create(model="smollm2", messages=turn2, temperature=0, max_tokens=16)
+    after = server.metrics()
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(mlxinfer.chat_prompt(local, QUESTION)) - 1
+    prefilled = after[("mlxinfer_prefill_tokens_total", ())] - before[("mlxinfer_prefill_tokens_total", ())]
+    assert prefilled == second.usage.prompt_tokens - cached
+    assert after[("mlxinfer_prefix_cache_hits_total", ())] == before[("mlxinfer_prefix_cache_hits_total", ())] + 1
+    assert second.choices[0].message.content == _reference(local, turn2, 16)
+
+
+def test_metrics_count_what_was_sent(server):
+    route = (("route", "/v1/completions"), ("status", "200"))
+    bad_route = (("route", "/v1/completions"), ("status", "400"))
+    before = server.metrics()
+    client = server.client()
+    usages = [client.completions.create(model="smollm2", prompt=p, temperature=0, max_tokens=5).usage
+              for p in ("Once upon a time", "The weather today")]
+    assert httpx.post(server.url("/v1/completions"), json={"prompt": "x", "n": 3}).status_code == 400
+    after = server.metrics()
+
+    def delta(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert delta("mlxinfer_requests_total", route) == 2
+    assert delta("mlxinfer_requests_total", bad_route) == 1
+    assert delta("mlxinfer_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("mlxinfer_generation_tokens_total") == sum(u.completion_tokens for u in usages) == 10
+    assert delta("mlxinfer_time_to_first_token_seconds_count") == 2
+    assert delta("mlxinfer_inter_token_latency_seconds_count") == 8
+    for gauge in ("mlxinfer_queue_depth", "mlxinfer_running_sequences", "mlxinfer_kv_cache_bytes",
+                  "mlxinfer_prefix_cache_bytes"):
+        assert (gauge, ()) in after
+    assert after[("mlxinfer_running_sequences", ())] == 0

@@ -1,0 +1,186 @@
+"""Limits and safety of ``mlxinfer serve``: errors in OpenAI's shape (400/401/404/413/429), a cancelled stream
+freeing its slot, SIGTERM draining, and refusing to bind a public address without a key."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_helpers import API_KEY, assert_openai_error, start_server
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("body, code, param", [
+    (b"{not json", "invalid_json", None),
+    (b"[1, 2]", None, None),
+    (json.dumps({"messages": MSG, "n": 2}).encode(), "unsupported_value", "n"),
+    (json.dumps({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(),
+     "unsupported_value", "tools"),
+    (json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).encode(), None,
+     "messages[0].content"),
+    (json.dumps({"messages": MSG, "frobnicate": 1}).encode(), "unsupported_field", "frobnicate"),
+    (json.dumps({"messages": MSG, "temperature": -1}).encode(), None, "temperature"),
+    (json.dumps({"messages": MSG, "top_k": 10**9}).encode(), None, "top_k"),
+    (json.dumps({"messages": MSG, "max_tokens": 0}).encode(), None, "max_tokens"),
+    (json.dumps({"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}).encode(), None, "stop"),
+    (json.dumps({"messages": []}).encode(), None, "messages"),
+    (json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), None, "messages[0].role"),
+])
+def test_bad_requests_get_400(server, body, code, param):
+    r = httpx.post(server.url(CHAT), content=body, headers={"content-type": "application/json"}, timeout=30)
+    err = assert_openai_error(r, 400, code)
+    assert err["type"] == "invalid_request_error"
+    if param:
+        assert err["param"] == param
+
+
+def test_over_long_prompts_get_400(server):
+    context = server.client().models.list().data[0].model_extra["context_length"]
+    long_text = "hello " * (context + 10)
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": long_text, "max_tokens": 4}, timeout=60)
+    assert_openai_error(r, 400, "context_length_exceeded")
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": "hello", "max_tokens": context}, timeout=60)
+    assert_openai_error(r, 400, "context_length_exceeded")
+
+
+def test_unknown_model_and_route_get_404(server):
+    r = httpx.post(server.url(CHAT), json={"model": "nope", "messages": MSG}, timeout=30)
+    assert_openai_error(r, 404, "model_not_found")
+    assert_openai_error(httpx.get(server.url("/v1/nothing"), timeout=5), 404)
+
+
+def test_api_key_is_required(limited):
+    import openai
+
+    assert httpx.get(limited.url("/health"), timeout=5).status_code == 200  # health stays open for probes
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        assert_openai_error(httpx.post(limited.url(CHAT), json={"messages": MSG}, headers=headers, timeout=5),
+                            401, "invalid_api_key")
+        assert_openai_error(httpx.get(limited.url("/v1/models"), headers=headers, timeout=5), 401)
+        assert_openai_error(httpx.get(limited.url("/metrics"), headers=headers, timeout=5), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=limited.url("/v1"), api_key="wrong", max_retries=0).models.list()
+    assert limited.client().models.list().data[0].id == "smollm2"
+
+
+def test_body_limit_gets_413(limited):
+    big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+    r = httpx.post(limited.url(CHAT), json=big, headers=limited.headers(), timeout=5)
+    assert_openai_error(r, 413, "request_too_large")
+
+
+def _long_stream(server):
+    """A request that runs for a long time (counting does not end by itself), as a raw SSE stream."""
+    client = httpx.Client(timeout=60)
+    body = {"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 2000, "temperature": 0, "stream": True}
+    cm = client.stream("POST", server.url("/v1/completions"), json=body, headers=server.headers())
+    resp = cm.__enter__()
+    assert resp.status_code == 200
+    lines = resp.iter_lines()
+    first = next(line for line in lines if line.startswith("data: "))
+    assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+    return client, cm, lines  # the caller keeps the line iterator: dropping it closes the response
+
+
+def _wait(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_full_queue_gets_429_and_a_cancelled_stream_frees_its_slot(limited):
+    before = limited.metrics()
+    client, cm, _lines = _long_stream(limited)  # takes the only slot
+    queued: dict = {}
+
+    def second():
+        try:
+            queued["reply"] = limited.client().completions.create(model="smollm2", prompt="Hello", max_tokens=3,
+                                                                  temperature=0)
+        except Exception as e:  # noqa: BLE001 - reported by the assertions below
+            queued["error"] = e
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    assert _wait(lambda: limited.health()["queued"] == 1 or "error" in queued), (queued, limited.health())
+    r = httpx.post(limited.url("/v1/completions"), json={"prompt": "x", "max_tokens": 2},
+                   headers=limited.headers(), timeout=10)
+    assert_openai_error(r, 429, "queue_full")
+    assert r.headers.get("retry-after")
+    time.sleep(1.0)
+    assert waiter.is_alive()  # still waiting behind the long stream
+    closed = time.monotonic()
+    cm.__exit__(None, None, None)  # the client goes away mid-stream
+    client.close()
+    waiter.join(30)
+    assert "error" not in queued and queued["reply"].usage.completion_tokens == 3
+    assert time.monotonic() - closed < 10  # not the ~2000 tokens the first request had left
+    after = limited.metrics()
+    key = ("mlxinfer_requests_total", (("route", "/v1/completions"), ("status", "499")))
+    assert after.get(key, 0) - before.get(key, 0) == 1
+    assert _wait(lambda: limited.health()["running"] == 0)
+
+
+def test_sigterm_drains_running_requests_and_exits_0(tmp_path):
+    srv = start_server(tmp_path)
+    try:
+        with httpx.Client(timeout=60) as client:
+            body = {"messages": [{"role": "user", "content": "Count from 1 to 20."}], "max_tokens": 40,
+                    "temperature": 0, "stream": True}
+            with client.stream("POST", srv.url(CHAT), json=body) as resp:
+                lines = resp.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                srv.proc.send_signal(signal.SIGTERM)
+                rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        finish = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in rest[:-1]]
+        assert finish[-1] in ("stop", "length")
+        assert srv.proc.wait(30) == 0, srv.log_text()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(srv.url("/health"), timeout=2)
+    finally:
+        srv.stop()
+
+
+def test_public_address_without_key_refuses_to_start():
+    run = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "smollm2", "--host", "0.0.0.0", "--port", "0"],
+                         capture_output=True, text=True, timeout=60, env={**__import__("os").environ,
+                                                                          "MLXINFER_API_KEY": ""})
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: refusing to listen on 0.0.0.0 without an API key")
+    assert "Traceback" not in run.stderr
+
+
+def test_bad_server_options_are_one_line():
+    run = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "smollm2", "--parallel", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == ["error: invalid --parallel 0: must be >= 1"]
+
+
+def test_key_from_environment_allows_public_bind_checks(monkeypatch):
+    # With a key the public address passes the check (then a taken port still fails before the model loads).
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "--host", "0.0.0.0", "--port", str(port)],
+                             capture_output=True, text=True, timeout=60,
+                             env={**__import__("os").environ, "MLXINFER_API_KEY": API_KEY})
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"error: cannot listen on 0.0.0.0:{port}")
