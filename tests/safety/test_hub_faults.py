@@ -108,7 +108,7 @@ def test_the_cache_still_serves_when_the_hub_stalls_or_talks_nonsense(hub, env):
 
 
 def test_default_timeouts_bound_a_stall_to_about_30_s(monkeypatch):
-    from mlxinfer.sources import hub
+    from mlxinfer.sources import hub_net as hub
 
     monkeypatch.delenv("MLXINFER_HUB_TIMEOUT", raising=False)
     assert hub.hub_timeout() == 10
@@ -122,7 +122,7 @@ def test_every_request_gets_a_timeout(monkeypatch):
     """huggingface_hub passes timeout=None (wait forever) for its API calls; the request hook caps it."""
     import httpx2
 
-    from mlxinfer.sources import hub
+    from mlxinfer.sources import hub_net as hub
 
     monkeypatch.setenv("MLXINFER_HUB_TIMEOUT", "7")
     request = httpx2.Request("GET", "http://127.0.0.1/api/models/a/b",
