@@ -31,6 +31,7 @@ _INT_LIMITS = {
     "n_routed_experts": 1 << 14,
     "num_experts_per_tok": 1 << 14,
 }
+_MAY_BE_ZERO = {"intermediate_size", "moe_intermediate_size"}  # e.g. all-MoE models
 _FLOAT_FIELDS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
 _MAX_HEADER = 100 << 20  # bytes of JSON in one safetensors header; real ones are well under 10 MB
 _EMBED_RE = re.compile(r"(?:^|\.)(?:embed_tokens|wte|tok_embeddings|word_embeddings)\.weight$")
@@ -77,14 +78,16 @@ def check_config(path: Path, config: dict) -> None:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidModel(f"{file}: '{prefix}{key}' is {value!r}, not a whole number",
                                    hint="the config is corrupt")
-            if not 1 <= value <= limit:
-                raise InvalidModel(f"{file}: '{prefix}{key}' is {value}, outside 1..{limit}",
+            low = 0 if key in _MAY_BE_ZERO else 1
+            if not low <= value <= limit:
+                raise InvalidModel(f"{file}: '{prefix}{key}' is {value}, outside {low}..{limit}",
                                    hint="the config is corrupt or not meant for this loader")
         for key in _FLOAT_FIELDS:
             value = scope.get(key)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            if bad or value < 0 or (key == "rope_theta" and value == 0):
                 raise InvalidModel(f"{file}: '{prefix}{key}' is {value!r}, not a positive number",
                                    hint="the config is corrupt")
         hidden, heads, kv = (scope.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads"))

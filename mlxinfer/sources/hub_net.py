@@ -161,6 +161,7 @@ def _translate(err: BaseException, repo: str, revision: str | None) -> MlxinferE
     """One clear MlxinferError for a huggingface_hub / network failure."""
     import httpx2
     from huggingface_hub.errors import (
+        FileMetadataError,
         GatedRepoError,
         HfHubHTTPError,
         HFValidationError,
@@ -198,7 +199,8 @@ def _translate(err: BaseException, repo: str, revision: str | None) -> MlxinferE
         return DownloadError(f"not authorized to download {label} ({_reason(err)}): it is private or gated", hint=login)
     if isinstance(err, HfHubHTTPError):
         return _http_error(err, label)
-    if isinstance(err, (json.JSONDecodeError, UnicodeDecodeError)):
+    if isinstance(err, (json.JSONDecodeError, UnicodeDecodeError, FileMetadataError)) or isinstance(
+            err.__cause__, FileMetadataError):  # e.g. a login page or a plain web server answering for the Hub
         return _not_understood(label)
     if isinstance(err, (LocalEntryNotFoundError, httpx2.HTTPError, ConnectionError, TimeoutError, HubStalled)):
         cause = err.__cause__ or err

@@ -9,7 +9,7 @@ and the Hub's error conventions (404 + ``X-Error-Code: RepoNotFound | RevisionNo
 401 + ``GatedRepo`` on a gated repo's files unless ``Authorization: Bearer <repo.token>``). Every request is logged in ``FakeHub.requests`` so tests can assert "no network".
 Faults: ``status`` answers every request with that HTTP error (no Hub error code, like a plain web server);
 ``mode = "garbage"`` answers 200 with an HTML page; ``mode = "stall"`` reads the request and never answers
-(``"stall_files"``: only file downloads stall, the API answers).
+(``"stall_files"`` / ``"garbage_files"``: only file downloads misbehave, the API answers).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.fake._stopping.wait(120)
             self.close_connection = True
             return
-        if self.fake.mode == "garbage":
+        if self.fake.mode == "garbage" or (self.fake.mode == "garbage_files" and "/resolve/" in path):
             return self._send(200, b"<html><body>Welcome to nginx!</body></html>", {"Content-Type": "text/html"}, head)
         if self.fake.status is not None:
             return self._error(self.fake.status, None, "Service Unavailable", head)

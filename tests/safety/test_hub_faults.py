@@ -65,8 +65,10 @@ def test_http_errors_on_every_route_get_the_matching_hint(hub, env, status, need
         assert "try again later" not in line
 
 
-def test_a_server_that_is_not_the_hub(hub, env):
-    hub.mode = "garbage"
+@pytest.mark.parametrize("mode", ["garbage", "garbage_files"])
+def test_a_server_that_is_not_the_hub(hub, env, mode):
+    """An HTML page instead of the API's JSON, or instead of the files (a login page, a plain web server)."""
+    hub.mode = mode
     proc, _ = _generate(env)
     assert_one_line_error(proc, REPO, "not the Hugging Face Hub API", "HF_ENDPOINT")
 

@@ -136,7 +136,8 @@ def test_an_inert_config_auto_map_does_not_block_a_supported_model(tiny, tmp_pat
 def test_the_tokenizer_guard_alone_runs_no_code(custom_tokenizer_dir, marker):
     """Defence in depth: even past the refusal, mlx-lm's tokenizer loader under the guard cannot run the .py,
     ask on stdin or reach the network."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants, get_session
+    from huggingface_hub.errors import OfflineModeIsEnabled
     from mlx_lm.utils import load_tokenizer
 
     from mlxinfer.engine import trust
@@ -146,6 +147,8 @@ def test_the_tokenizer_guard_alone_runs_no_code(custom_tokenizer_dir, marker):
         assert constants.HF_HUB_OFFLINE is True
         with pytest.raises(EOFError):
             input("Do you wish to run the custom code? [y/N] ")
+        with pytest.raises(OfflineModeIsEnabled):  # huggingface_hub's client (transformers' too) refuses requests
+            get_session().get("http://127.0.0.1:9/org/code/resolve/main/tokenization_evil.py")
         with pytest.raises(Exception):  # noqa: B017 - transformers refuses (ValueError); the type is its business
             load_tokenizer(custom_tokenizer_dir, {"trust_remote_code": False, "local_files_only": True})
     assert not marker.exists()
