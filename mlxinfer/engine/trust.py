@@ -72,6 +72,12 @@ def _mlx_lm_supports(config: dict) -> bool:
     return True
 
 
+def _transformers_knows(model_type) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING_NAMES
+
+
 def _builtin_tokenizer_class(name: str) -> bool:
     """Whether transformers (or mlx-lm, which registers its own) provides this tokenizer class."""
     import mlx_lm.tokenizer_utils  # noqa: F401 - registers mlx-lm's tokenizer classes with AutoTokenizer
@@ -128,12 +134,15 @@ def check_no_remote_code(path: Path) -> None:
         if isinstance(auto_map, dict) and "AutoTokenizer" in auto_map:
             what, code = _describe(_code_refs({"t": auto_map["AutoTokenizer"]}))
             raise _refuse(cfg_file, "auto_map", what + " for the tokenizer", code)
-        # mlx-lm builds the model from model_type with its own code and transformers is never told to trust the
-        # auto_map, so it is inert when mlx-lm knows the architecture (Phi-3, DeepSeek-V3 ... ship one).
-        if not _mlx_lm_supports(config):
+        # mlx-lm builds the model from model_type with its own code, and transformers (reading config.json for the
+        # tokenizer) prefers its built-in class for a model_type it knows: the auto_map is then inert. Phi-3,
+        # DeepSeek-V3 ... ship one. Otherwise the model only works with the code, so it is refused.
+        missing = [lib for lib, ok in (("mlx-lm", _mlx_lm_supports(config)),
+                                       ("transformers", _transformers_knows(config.get("model_type")))) if not ok]
+        if missing:
             what, code = _describe(refs)
-            raise _refuse(cfg_file, "auto_map", what + f" and mlx-lm has no built-in '{config.get('model_type')}'",
-                          code)
+            raise _refuse(cfg_file, "auto_map", f"{what}, and {' and '.join(missing)} has no built-in "
+                          f"'{config.get('model_type')}'", code)
 
 
 def _tokenization_py(path: Path) -> str | None:

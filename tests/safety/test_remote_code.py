@@ -92,6 +92,7 @@ def test_switching_to_it_inside_chat_is_refused_and_the_chat_goes_on(tiny, custo
     ("config_trust", ("config.json", "'trust_remote_code'")),
     ("config_auto_tokenizer", ("config.json", "'auto_map'", "tokenizer")),
     ("config_auto_map_unknown_arch", ("config.json", "'auto_map'", "evilarch")),
+    ("config_auto_map_mlx_lm_only", ("config.json", "'auto_map'", "transformers has no built-in 'kimi_k2'")),
     ("model_file", ("config.json", "'model_file'", "evil_model.py")),
     ("chat_template_type", ("tokenizer_config.json", "'chat_template_type'")),
 ])
@@ -108,6 +109,9 @@ def test_every_way_of_asking_for_code_is_refused(tiny, tmp_path, marker, case, n
         "config_auto_tokenizer": (cfg, {"auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}}),
         "config_auto_map_unknown_arch": (cfg, {"model_type": "evilarch",
                                                "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}),
+        # mlx-lm has kimi_k2, transformers has not: transformers would need the code to read this config
+        "config_auto_map_mlx_lm_only": (cfg, {"model_type": "kimi_k2",
+                                              "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}),
         "model_file": (cfg, {"model_file": "evil_model.py"}),
         "chat_template_type": (tok, {"chat_template_type": "..evil"}),
     }
