@@ -73,6 +73,7 @@ def _mlx_lm_supports(config: dict) -> bool:
 
 
 def _transformers_knows(model_type) -> bool:
+    import mlx_lm  # noqa: F401 - first: it turns off transformers' advisory warnings (e.g. "PyTorch was not found")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING_NAMES
@@ -106,6 +107,14 @@ def check_no_remote_code(path: Path) -> None:
     config = _json_object(path / "config.json") or {}
     tok = _json_object(path / "tokenizer_config.json") or {}
     cfg_file, tok_file = path / "config.json", path / "tokenizer_config.json"
+    if tok_file.is_file() and not tok:
+        try:
+            ok = json.loads(tok_file.read_text(encoding="utf-8")) == {}
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise InvalidModel(f"{tok_file} is not a JSON object", hint="the tokenizer files may be broken; "
+                               "download or convert the model again")
 
     for file, data in ((cfg_file, config), (tok_file, tok)):
         if data.get("trust_remote_code"):

@@ -146,3 +146,11 @@ def test_lying_safetensors_headers(tiny, tmp_path, case, needle):
         safetensors_header(st)
     proc = run("generate", str(d), "-p", "hi", "--max-tokens", "2")
     assert_one_line_error(proc, "model.safetensors", needle)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "not json", "\"a string\""])
+def test_tokenizer_config_that_is_not_an_object(tiny, tmp_path, content):
+    d = _copy(tiny, tmp_path / "tok")
+    (d / "tokenizer_config.json").write_text(content)
+    assert_one_line_error(run("generate", str(d), "-p", "hi", "--max-tokens", "2"),
+                          "tokenizer_config.json is not a JSON object")
