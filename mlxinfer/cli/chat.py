@@ -1,6 +1,8 @@
 """``mlxinfer chat [MODEL]``: the interactive chat (also what ``mlxinfer`` with no command starts).
 
-Settings come from, lowest first: the model's registry defaults, a resumed session (``--session``), the flags.
+Settings come from, lowest first: the model's registry defaults, a resumed session (``--session``), the flags
+(``engine.settings.resolve``), then checked against the model. A ``--session`` is held by one chat at a time
+(a lock beside its file, see ``engine.store``); ``--fork NEW`` continues a copy under another name.
 """
 
 from __future__ import annotations
@@ -18,10 +20,60 @@ Context = Annotated[
 ]
 SessionName = Annotated[
     Optional[str],
-    typer.Option("--session", help="Resume the saved session NAME (or start it); it is saved after every reply."),
+    typer.Option("--session", help="Resume the saved session NAME (or start it); it is saved after every reply. "
+                 "One chat at a time holds a session: while it is open, another chat on it is refused "
+                 "(continue a copy with --fork NEW)."),
+]
+Fork = Annotated[
+    Optional[str],
+    typer.Option("--fork", metavar="NEW", help="With --session NAME: copy the saved session NAME to the new "
+                 "session NEW and continue there (NAME is left as it is, even while another chat has it open)."),
 ]
 Plain = Annotated[bool, typer.Option("--plain", help="No UI: read messages from stdin line by line, print replies.")]
 Think = Annotated[Optional[str], typer.Option("--think", help="Reasoning blocks: on (dimmed), hide, or off.")]
+
+
+def _open_session(session: str | None, fork: str | None):
+    """(lock, saved data or None, the name to save under). Locks before reading, so what is read is current."""
+    from ..engine import store
+    from ..errors import InvalidParameter
+
+    if fork is not None and not session:
+        raise InvalidParameter("--fork needs --session NAME (the saved session to copy)",
+                               hint="e.g. --session notes --fork notes-2")
+    if not session:
+        return None, None, None
+    store.check_name(session)
+    if fork is None:
+        lock = store.SessionLock.acquire(session)
+        try:
+            return lock, (store.load(session) if session in store.names() else None), session
+        except BaseException:
+            lock.release()
+            raise
+    store.check_name(fork)
+    if fork == session:
+        raise InvalidParameter("--fork needs a new name, not the session's own",
+                               hint=f"e.g. --session {session} --fork {session}-2")
+    saved = store.load(session)  # atomic saves: a consistent copy even while another chat writes it
+    lock = store.SessionLock.acquire(fork, hint="choose another name for --fork")
+    if fork in store.names():
+        lock.release()
+        raise store.SessionError(f"session '{fork}' already exists",
+                                 hint=f"choose another name for --fork, or resume it with --session {fork}")
+    return lock, saved, fork
+
+
+def _params(spec, saved, session, loaded, flags):
+    from ..errors import InvalidParameter
+
+    try:
+        return o.sampling_from(spec.defaults, (saved or {}).get("settings"), loaded=loaded, **flags)
+    except InvalidParameter as e:
+        if saved is None:
+            raise
+        o.sampling_from(spec.defaults, None, loaded=loaded, **flags)  # raises if the cause is not the session
+        raise InvalidParameter(str(e), hint=f"saved in session '{session}'; a flag overrides it") from None
 
 
 def chat(
@@ -36,12 +88,12 @@ def chat(
     seed: o.Seed = None,
     context: Context = None,
     session: SessionName = None,
+    fork: Fork = None,
     plain: Plain = False,
     think: Think = None,
     kernels: o.Kernels = "auto",
 ):
     """Chat with a model in the terminal (default: the bundled smollm2)."""
-    from ..engine import store
     from ..engine.session import Session
     from ..registry import Registry
     from ..ui.chat_commands import completer_for
@@ -49,36 +101,42 @@ def chat(
     from ..ui.progress import load_model
 
     plain = plain or bool(os.environ.get("NO_COLOR")) or not (sys.stdin.isatty() and sys.stdout.isatty())
-    saved = None
-    if session:
-        store.check_name(session)
-        if session in store.names():
-            saved = store.load(session)
-    registry = Registry.load()
-    spec = registry.resolve(model or (saved or {}).get("model"))
-    loaded = load_model(spec, kernels=kernels)
-
     flags = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
                  max_tokens=max_tokens, seed=seed)
-    if saved is not None:
-        chat_session = Session.from_dict(saved, loaded)
-        chat_session.params = o.sampling_from(chat_session.params.as_dict(), **flags)
-        if system is not None:
-            chat_session.system = system or None
-    else:
-        params = o.sampling_from(spec.defaults, **flags)
-        chat_session = Session(loaded, params, system=system if system is not None else spec.defaults.get("system"))
-    if context is not None:
-        chat_session.set_context(context)
-    if think is not None:
-        chat_session.set_think(think)
+    o.sampling_from(None, **flags)  # a bad flag fails before anything is locked or loaded
+    lock, saved, name = _open_session(session, fork)
+    app = None
+    try:
+        registry = Registry.load()
+        spec = registry.resolve(model or (saved or {}).get("model"))
+        loaded = load_model(spec, kernels=kernels)
+        params = _params(spec, saved, session, loaded, flags)
+        if saved is not None:
+            chat_session = Session.from_dict(saved, loaded, params=params)
+            if system is not None:
+                chat_session.system = system or None
+        else:
+            chat_session = Session(loaded, params,
+                                   system=system if system is not None else spec.defaults.get("system"))
+        if context is not None:
+            chat_session.set_context(context)
+        if think is not None:
+            chat_session.set_think(think)
 
-    app = ChatApp(chat_session, make_view(plain), None, kernels=kernels, show_stats=not plain,
-                  session_name=session, autosave=session is not None, registry=registry)
-    app.reader = make_reader(plain, completer=None if plain else completer_for(app))
-    if session and saved is None:
-        app.view.notice(f"new session '{session}' (saved after every reply)")
-    app.run()
+        app = ChatApp(chat_session, make_view(plain), None, kernels=kernels, show_stats=not plain,
+                      session_name=name, autosave=name is not None, registry=registry, lock=lock)
+        app.reader = make_reader(plain, completer=None if plain else completer_for(app))
+        if fork is not None:
+            if app.save(name, quiet=True):
+                app.view.notice(f"continuing a copy of session '{session}' as '{name}' (saved after every reply)")
+        elif session and saved is None:
+            app.view.notice(f"new session '{session}' (saved after every reply)")
+        app.run()
+    finally:
+        if app is not None:
+            app.release()
+        elif lock is not None:
+            lock.release()
 
 
 def register(app: typer.Typer) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Mapping, Optional
 
 import typer
 
@@ -11,27 +11,28 @@ Model = Annotated[
     typer.Argument(help="Alias from models.toml, Hub repo id org/name[@rev], MLX model directory or .gguf file."),
 ]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")]
-Temp = Annotated[Optional[float], typer.Option("--temp", "-t", help="Sampling temperature (0 = greedy).")]
-TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling, in (0, 1].")]
-TopK = Annotated[Optional[int], typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
-MinP = Annotated[Optional[float], typer.Option("--min-p", help="Drop tokens below min-p × the top probability.")]
-RepeatPenalty = Annotated[Optional[float], typer.Option("--repeat-penalty", help="Repetition penalty (1 = off).")]
-MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Maximum tokens to generate.")]
-Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for reproducible sampling.")]
+Temp = Annotated[Optional[float], typer.Option("--temp", "-t", help="Sampling temperature, >= 0 (0 = greedy).")]
+TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling, in (0, 1] (1 = off).")]
+TopK = Annotated[Optional[int], typer.Option(
+    "--top-k", help="Keep the k most likely tokens, 0 to the vocabulary size (0 = off).")]
+MinP = Annotated[Optional[float], typer.Option(
+    "--min-p", help="Drop tokens below min-p × the top probability, in [0, 1] (0 = off).")]
+RepeatPenalty = Annotated[Optional[float], typer.Option(
+    "--repeat-penalty", help="Repetition penalty, > 0 (1 = off).")]
+MaxTokens = Annotated[Optional[int], typer.Option(
+    "--max-tokens", "-n", help="Maximum tokens to generate, 1 to the model's context (-1: as many as fit).")]
+Seed = Annotated[Optional[int], typer.Option(
+    "--seed", help="Random seed for reproducible sampling, 0 to 2^64-1.")]
 Kernels = Annotated[
     str, typer.Option("--kernels", help="auto | custom | builtin (env MLXINFER_KERNELS).", show_default=True)
 ]
 
 
-def sampling_from(spec_defaults: dict, **flags):
-    """SamplingParams from the model's registry defaults with the command-line flags over them."""
-    from ..engine.sampling import SamplingParams
+def sampling_from(spec_defaults: Mapping[str, Any] | None, saved: Mapping[str, Any] | None = None, *,
+                  loaded=None, **flags):
+    """SamplingParams by the one precedence rule (engine.settings.resolve): the model's registry defaults <
+    ``saved`` (a resumed session) < the command-line flags (named as the options: temp, top_p, ...; None = not
+    given). With ``loaded`` the values are also checked against the model (vocabulary, context)."""
+    from ..engine.settings import resolve
 
-    keys = SamplingParams.names()
-    base = {k: v for k, v in spec_defaults.items() if k in keys}
-    mapped = {
-        "temperature": flags.get("temp"), "top_p": flags.get("top_p"), "top_k": flags.get("top_k"),
-        "min_p": flags.get("min_p"), "repeat_penalty": flags.get("repeat_penalty"),
-        "max_tokens": flags.get("max_tokens"), "seed": flags.get("seed"),
-    }
-    return SamplingParams(**base).with_values(**mapped)
+    return resolve(spec_defaults, saved, flags, loaded=loaded)

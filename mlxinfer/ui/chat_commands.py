@@ -62,24 +62,19 @@ def _set(app, arg):
         app.view.info("usage: /set NAME VALUE, e.g. /set temp 0.7 (names: " + ", ".join(SETTING_NAMES) + ")")
         return
     name, value = parts[0].lower(), parts[1].strip()
-    if name not in SETTING_NAMES and name not in ("temperature",):
-        near = difflib.get_close_matches(name, SETTING_NAMES, n=1, cutoff=0.5)
-        hint = f"did you mean '{near[0]}'? " if near else ""
-        raise InvalidParameter(f"unknown setting '{name}'", hint=f"{hint}settings: {', '.join(SETTING_NAMES)}")
-    field = app.session.set(name, value)
+    field = app.session.set(name, value)  # validated against the model; unknown names get a suggestion
     shown = app.session.context_limit if field == "context" else getattr(app.session.params, field)
     app.view.info(f"set {field} = {shown}")
 
 
 def _settings_rows(s: Session) -> list[tuple[str, str]]:
-    p = s.params
-    return [
-        ("temperature", f"{p.temperature:g}"), ("top_p", f"{p.top_p:g}"), ("top_k", str(p.top_k)),
-        ("min_p", f"{p.min_p:g}"), ("repeat_penalty", f"{p.repeat_penalty:g}"),
-        ("repeat_context", str(p.repeat_context)), ("max_tokens", str(p.max_tokens)),
-        ("seed", "random" if p.seed is None else str(p.seed)), ("context", str(s.context_limit)),
-        ("think", s.think),
-    ]
+    def shown(value):
+        if value is None:
+            return "random"
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    rows = [(name, shown(value)) for name, value in s.params.as_dict().items()]
+    return rows + [("context", str(s.context_limit)), ("think", s.think)]
 
 
 def _show_settings(app):
@@ -113,16 +108,23 @@ def _load(app, arg):
     if not arg:
         raise InvalidParameter("usage: /load NAME", hint="/sessions lists saved sessions")
     name = arg.strip()
-    data = store.load(name)
-    saved_model = data.get("model")
-    if saved_model and saved_model != app.session.loaded.name:
-        try:
-            app.switch_model(saved_model)
-        except Exception as e:  # noqa: BLE001 - keep chatting with the current model
-            app.view.notice(f"could not load the session's model '{saved_model}' ({e}); "
-                            f"keeping {app.session.loaded.name}")
-    app.session = Session.from_dict(data, app.session.loaded)
-    app.session_name = name
+    data, lock = app.open_session(name)  # refused while another process has it open
+    try:
+        if lock is not app.lock:
+            app.save_on_exit()  # with --session, the session being left keeps its last changes
+        saved_model = data.get("model")
+        if saved_model and saved_model != app.session.loaded.name:
+            try:
+                app.switch_model(saved_model)
+            except Exception as e:  # noqa: BLE001 - keep chatting with the current model
+                app.view.notice(f"could not load the session's model '{saved_model}' ({e}); "
+                                f"keeping {app.session.loaded.name}")
+        session = Session.from_dict(data, app.session.loaded)
+    except BaseException:
+        app.drop(lock)
+        raise
+    app.adopt(lock)
+    app.session = session
     app.view.info(f"loaded session '{name}' ({len(app.session.messages)} messages)")
     app.show_history()
 
@@ -132,8 +134,13 @@ def _sessions(app, arg):
     if not infos:
         app.view.info(f"no saved sessions yet (in {store.sessions_dir()}); save one with /save NAME")
         return
+    def where(i):
+        if i.open_in is None:
+            return ""
+        return " · open here" if i.open_in == os.getpid() else f" · open in pid {i.open_in}"
+
     rows = [(i.name, f"{i.messages} messages · {i.model} · "
-                     f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(i.modified))}") for i in infos]
+                     f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(i.modified))}{where(i)}") for i in infos]
     app.view.table(rows, title=f"Saved sessions ({store.sessions_dir()})")
 
 

@@ -3,7 +3,9 @@
 Ctrl-C during a reply asks the turn to stop at the next token (the partial reply stays in the history, marked
 interrupted, and the cache is re-synced). In a terminal it is read as a key between tokens (see chat_view's
 _KeyWatch); elsewhere it arrives as SIGINT, where a second one interrupts at once (the cache is then rebuilt on
-the next turn). Ctrl-C at the prompt tells how to exit; Ctrl-D exits.
+the next turn). Ctrl-C at the prompt tells how to exit; Ctrl-D exits. SIGTERM/SIGHUP (``Terminated``) end the chat
+instead: the partial reply is kept (marked interrupted), the session saved, and the exception goes on up.
+A failed reply (an error inside generation) is shown as one error line; the session is as it was before it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from ..engine.session import Session, Turn
-from ..errors import MlxinferError
+from ..errors import MlxinferError, Terminated
 from .chat_view import PlainView, RichView
 
 
@@ -39,17 +41,40 @@ def _cancel_on_sigint(turn: Turn):
         signal.signal(signal.SIGINT, previous)
 
 
+@contextmanager
+def _termination_held():
+    """SIGTERM/SIGHUP wait while a session file is written; they are delivered (and end the chat) right after."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP})
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask (Windows)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def failure_line(e: BaseException) -> str:
+    """One line for an exception: MLX errors run over several lines and name a URL after the first."""
+    first = (str(e).strip().splitlines() or [""])[0].strip()
+    if isinstance(e, MlxinferError):
+        return first
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 class ChatApp:
     """Owns the session, the view and the reader; slash commands (chat_commands) act on it."""
 
     def __init__(self, session: Session, view: RichView | PlainView, reader, *, kernels: str = "auto",
                  show_stats: bool = True, session_name: str | None = None, autosave: bool = False,
-                 registry=None, load_model: Callable | None = None):
+                 registry=None, load_model: Callable | None = None, lock=None):
         self.session, self.view, self.reader = session, view, reader
         self.kernels = kernels
         self.show_stats = show_stats
         self.session_name = session_name   # the name /save used last or --session gave
         self.autosave = autosave           # --session NAME: save after every reply
+        self.lock = lock                   # store.SessionLock of session_name: no other process writes it
         self.registry = registry
         self._load_model = load_model
         self.typed_ahead = ""              # keys typed while the last reply streamed: the next prompt's text
@@ -97,26 +122,32 @@ class ChatApp:
 
         turn.on_prefill = on_prefill
         it = iter(turn)
-        failure = None
+        failure = terminated = None
         try:
             with _cancel_on_sigint(turn):
                 for r in it:
                     reply.feed(r.text)
                     if reply.pressed_ctrl_c():
                         turn.cancel()
+        except Terminated as e:  # SIGTERM/SIGHUP: keep what came, save, then end the chat
+            turn.terminated, terminated = True, e
+            turn.cancel()
         except KeyboardInterrupt:
             turn.cancel()
-        except Exception as e:  # noqa: BLE001 - a failed reply must not end the chat (the cache is rebuilt)
+        except Exception as e:  # noqa: BLE001 - a failed reply must not end the chat (the session is restored)
             failure = e
         finally:
             it.close()
             reply.finish(interrupted=turn.interrupted)
             self.typed_ahead = reply.typed_ahead()
+        if terminated is not None:
+            raise terminated  # run() saves the session on the way out
         if failure is not None:
-            self.view.error(f"generation failed: {type(failure).__name__}: {failure}")
+            undone = " (the message was not kept; Up arrow brings it back)" if turn.error is not None else ""
+            self.view.error(f"generation failed: {failure_line(failure)}{undone}")
         if turn.discarded:
             self.view.notice("stopped before the reply began; the message was dropped (Up arrow brings it back)")
-        if turn.stats is not None and self.show_stats:
+        if turn.stats is not None and self.show_stats and turn.error is None:
             from .console_out import stats_text
 
             self.view.stats(stats_text(turn.stats, context=(s.context_used, s.context_limit)))
@@ -126,17 +157,68 @@ class ChatApp:
             self.save(self.session_name, quiet=True)
         return turn
 
-    def save(self, name: str, quiet: bool = False) -> None:
+    # ----- sessions on disk -----
+    def bind(self, name: str, hint: str | None = None) -> None:
+        """Hold NAME's lock (raises store.SessionBusy if another process has it) and let go of the previous one."""
+        from ..engine import store
+
+        if self.lock is not None and self.lock.held and self.lock.name == name:
+            return
+        new = store.SessionLock.acquire(name, hint=hint)
+        if self.lock is not None:
+            self.lock.release()
+        self.lock = new
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def save(self, name: str, quiet: bool = False) -> bool:
         from ..engine import store
 
         try:
-            path = store.save(name, self.session.to_dict())
+            self.bind(name, hint="save under another name, or close that chat first")
+            with _termination_held():
+                path = store.save(name, self.session.to_dict())
         except (MlxinferError, OSError) as e:
             self.view.error(f"could not save the session: {e}")
-            return
+            return False
         self.session_name = name
         if not quiet:
             self.view.info(f"saved session '{name}' ({len(self.session.messages)} messages) to {path}")
+        return True
+
+    def save_on_exit(self) -> None:
+        """--session: what changed since the last reply (/set, /undo, an interrupted reply) is kept too."""
+        if self.autosave and self.session_name:
+            self.save(self.session_name, quiet=True)
+
+    def open_session(self, name: str):
+        """Take NAME's lock and read it (for /load): returns (data, lock). Nothing else changes until
+        ``adopt(lock)``; hand the lock to ``drop(lock)`` if the load goes no further."""
+        from ..engine import store
+
+        if self.lock is not None and self.lock.held and self.lock.name == name:
+            return store.load(name), self.lock
+        lock = store.SessionLock.acquire(name, hint="close that chat first, or /load another session")
+        try:
+            return store.load(name), lock
+        except BaseException:
+            lock.release()
+            raise
+
+    def adopt(self, lock) -> None:
+        """Bind the chat to ``lock``'s session, letting go of the one before."""
+        if lock is self.lock:
+            return
+        self.release()
+        self.lock = lock
+        self.session_name = lock.name
+
+    def drop(self, lock) -> None:
+        if lock is not self.lock:
+            lock.release()
 
     def show_history(self, last: int = 20) -> None:
         msgs = self.session.messages
@@ -155,12 +237,24 @@ class ChatApp:
         self.view.header(self.session.loaded, self.session)
         if self.session.messages:
             self.show_history()
+        try:
+            self._loop(dispatch, is_command)
+        except Terminated:
+            self.save_on_exit()
+            raise
+        finally:
+            self.reader.close()
+        self.save_on_exit()
+
+    def _loop(self, dispatch, is_command) -> None:
         while True:
             try:
                 text = self.reader.read(self.typed_ahead) if self.typed_ahead else self.reader.read()
                 self.typed_ahead = ""
             except EOFError:
                 break
+            except Terminated:
+                raise
             except KeyboardInterrupt:
                 self.view.notice("Use Ctrl-D, /bye or /exit to quit.")
                 continue
@@ -174,9 +268,6 @@ class ChatApp:
                     self.view.error(str(e))
                 continue
             self.run_turn(lambda: self.session.send(text))
-        if self.autosave and self.session_name:  # /set, /undo... since the last reply are kept too
-            self.save(self.session_name, quiet=True)
-        self.reader.close()
 
 
 def make_view(plain: bool):
