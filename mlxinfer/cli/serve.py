@@ -31,6 +31,8 @@ def serve_cmd(
                                                  "(0 = off).")] = 512,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens prefilled between two "
                                                "decode steps.")] = 256,
+    batch_from: Annotated[int, typer.Option("--batch-from", help="Decode as one batch from this many sequences "
+                                            "on (fewer each run the single-sequence fast path).")] = 4,
     temp: o.Temp = None,
     top_p: o.TopP = None,
     top_k: o.TopK = None,
@@ -52,7 +54,8 @@ def serve_cmd(
     from ..ui.progress import load_model
 
     for name, value, low in (("--parallel", parallel, 1), ("--queue-size", queue_size, 0), ("--max-body", max_body, 1),
-                             ("--prefill-chunk", prefill_chunk, 1), ("--prefix-cache-mb", prefix_cache_mb, 0)):
+                             ("--prefill-chunk", prefill_chunk, 1),
+                             ("--batch-from", batch_from, 1), ("--prefix-cache-mb", prefix_cache_mb, 0)):
         if value < low:
             raise InvalidParameter(f"invalid {name} {value}: must be >= {low}")
     for name, value in (("--timeout", timeout), ("--grace", grace)):
@@ -70,7 +73,7 @@ def serve_cmd(
     resolve(spec.defaults, None, flags, loaded=loaded)
     opts = ServeOptions(api_key=api_key, max_body=max_body, parallel=parallel, queue_size=queue_size,
                         timeout=timeout or None, prefix_cache_bytes=prefix_cache_mb << 20,
-                        prefill_chunk=prefill_chunk, flags=flags)
+                        prefill_chunk=prefill_chunk, batch_from=batch_from, flags=flags)
     shown = f"[{host}]" if ":" in host else host
     print(f"mlxinfer serve: {loaded.name} ({loaded.kernels}) on http://{shown}:{port}/v1 — parallel {parallel}, "
           f"queue {queue_size}{', API key required' if api_key else ''} (Ctrl-C or SIGTERM to stop)",

@@ -37,6 +37,7 @@ class ServeOptions:
     timeout: float | None = 600.0
     prefix_cache_bytes: int = 512 << 20
     prefill_chunk: int = 256
+    batch_from: int = 4
     flags: dict[str, Any] = field(default_factory=dict)  # sampling values from the command line (highest rank)
 
 
@@ -46,7 +47,7 @@ class Api:
         self.metrics = Metrics()
         self.engine = Engine(loaded, self.metrics, parallel=opts.parallel, queue_size=opts.queue_size,
                              prefix_cache_bytes=opts.prefix_cache_bytes, prefill_chunk=opts.prefill_chunk,
-                             timeout=opts.timeout)
+                             timeout=opts.timeout, batch_from=opts.batch_from)
         spec = loaded.spec
         self.model_id = loaded.name
         self.names = {n for n in (loaded.name, spec.name, spec.alias, spec.repo) if n}

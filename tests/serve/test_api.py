@@ -130,8 +130,12 @@ def test_eight_concurrent_greedy_streams_equal_sequential_runs(server):
     client = server.client()
 
     def ask(q: str) -> str:
+        # The last two sample (own seed; a repetition penalty) while the others decode greedily in the same batch.
+        extra = {"temperature": 0.9, "seed": 7} if q == QUESTIONS[-1] else {"temperature": 0}
+        if q == QUESTIONS[-2]:
+            extra["extra_body"] = {"repetition_penalty": 1.3}
         chunks = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
-                                                temperature=0, max_tokens=24, stream=True)
+                                                max_tokens=24, stream=True, **extra)
         return "".join(c.choices[0].delta.content or "" for c in chunks)
 
     sequential = [ask(q) for q in QUESTIONS]
