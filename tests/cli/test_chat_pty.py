@@ -114,3 +114,31 @@ def test_plain_mode_through_a_pipe(chat_env):
     assert "mlxinfer chat" not in out.stdout and "tok/s" not in out.stdout  # only replies on stdout
     assert "unknown setting 'nonsense'" in out.stderr and "set temperature = 0" in out.stderr
     assert not re.search(r"\x1b\[", out.stdout)
+
+
+def test_sigterm_and_sighup_in_the_terminal_save_and_exit(pty, chat_env):
+    """In a terminal the reply streams with the keyboard in raw mode and the prompt is prompt-toolkit's: SIGTERM
+    during a reply and SIGHUP at the prompt both save the session and exit 128+signum."""
+    import signal
+
+    path = Path(chat_env["_ROOT"]) / "data" / "mlxinfer" / "sessions" / "term-sig.json"
+    c = pty("chat", "--session", "term-sig", "--temp", "0", "--max-tokens", "400")
+    c.expect(READY)
+    c.send_line("Write a long story about a brave knight and a dragon.")
+    c.expect(r"…")
+    c.expect(r"[A-Za-z]+[ ,]+[A-Za-z]+[ ,]+[A-Za-z]+[ ,]+[A-Za-z]+", timeout=60)
+    c.child.kill(signal.SIGTERM)
+    c.expect(r"terminated", timeout=30)
+    assert c.wait_exit() == 143
+    saved = json.loads(path.read_text())["messages"]
+    assert saved[0]["content"] == "Write a long story about a brave knight and a dragon."
+    assert saved[1]["interrupted"] is True and len(saved[1]["content"]) > 10
+
+    c = pty("chat", "--session", "term-sig")
+    c.expect(r"\[interrupted\]")  # the resumed history shows the cut reply
+    c.expect(READY)
+    c.command("/set temp 0.3", r"set temperature = 0\.3")
+    c.child.kill(signal.SIGHUP)
+    assert c.wait_exit() == 129
+    data = json.loads(path.read_text())
+    assert data["settings"]["temperature"] == 0.3 and len(data["messages"]) == 2
