@@ -110,6 +110,7 @@ class Api:
     def _job(self, data: dict, kind: str) -> s.Job:
         """Validate and tokenize (runs in a worker thread: templates and tokenizers take a while on long input)."""
         from ..engine.generate import chat_prompt, encode_prompt
+        from ..engine.settings import vocab_size
         from ..errors import MlxinferError
 
         loaded = self.loaded
@@ -135,7 +136,7 @@ class Api:
                 tokens = encode_prompt(loaded, prompt)
             else:
                 tokens = prompt
-                vocab = len(loaded.tokenizer.vocab) if hasattr(loaded.tokenizer, "vocab") else None
+                vocab = vocab_size(loaded)
                 if vocab and max(tokens) >= vocab:
                     raise s.bad(f"token id {max(tokens)} is outside the vocabulary (size {vocab})", param="prompt")
         except (MlxinferError, ValueError, TypeError) as e:

@@ -208,16 +208,21 @@ class Engine:
             self._leave(leaving, {i: None for i in leaving})
 
     def _prefill_step(self) -> None:
+        """Up to ``prefill_chunk`` prompt tokens between two decode steps, over as many waiting sequences as they
+        cover (eight short prompts arriving together start within a step or two, not eight)."""
         import mlx.core as mx
 
-        seq = self._prefilling[0]
-        chunk, seq.todo = seq.todo[:self.prefill_chunk], seq.todo[self.prefill_chunk:]
-        if chunk:
-            self.model(mx.array([chunk]), cache=seq.cache)
-            mx.eval([c.state for c in seq.cache])
-        if not seq.todo:
-            self._prefilling.popleft()
-            self._join(seq)
+        budget = self.prefill_chunk
+        while self._prefilling and budget > 0:
+            seq = self._prefilling[0]
+            chunk, seq.todo = seq.todo[:budget], seq.todo[budget:]
+            if chunk:
+                self.model(mx.array([chunk]), cache=seq.cache)
+                mx.eval([c.state for c in seq.cache])
+                budget -= len(chunk)
+            if not seq.todo:
+                self._prefilling.popleft()
+                self._join(seq)
 
     def _join(self, seq: _Seq) -> None:
         from mlx_lm.models.cache import BatchKVCache

@@ -53,6 +53,14 @@ def test_over_long_prompts_get_400(server):
     assert_openai_error(r, 400, "context_length_exceeded")
 
 
+def test_token_prompts_are_checked_against_the_vocabulary(server):
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": [1, 2, 10**7], "max_tokens": 2}, timeout=30)
+    assert "outside the vocabulary" in assert_openai_error(r, 400)["message"]
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": [504, 3458, 314], "max_tokens": 2,
+                                                        "temperature": 0}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+
+
 def test_unknown_model_and_route_get_404(server):
     r = httpx.post(server.url(CHAT), json={"model": "nope", "messages": MSG}, timeout=30)
     assert_openai_error(r, 404, "model_not_found")
@@ -132,6 +140,22 @@ def test_full_queue_gets_429_and_a_cancelled_stream_frees_its_slot(limited):
     key = ("mlxinfer_requests_total", (("route", "/v1/completions"), ("status", "499")))
     assert after.get(key, 0) - before.get(key, 0) == 1
     assert _wait(lambda: limited.health()["running"] == 0)
+
+
+def test_request_timeout_gets_503(tmp_path):
+    srv = start_server(tmp_path, "--timeout", "1.5")
+    try:
+        body = {"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 4000, "temperature": 0}
+        t0 = time.monotonic()
+        r = httpx.post(srv.url("/v1/completions"), json=body, timeout=60)
+        assert_openai_error(r, 503, "timeout")
+        assert time.monotonic() - t0 < 15
+        with httpx.stream("POST", srv.url("/v1/completions"), json={**body, "stream": True}, timeout=60) as resp:
+            events = [json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: ")]
+        assert events[-1]["error"]["code"] == "timeout"  # the stream ends with OpenAI's error object
+        assert _wait(lambda: srv.health()["running"] == 0)
+    finally:
+        srv.stop()
 
 
 def test_sigterm_drains_running_requests_and_exits_0(tmp_path):
