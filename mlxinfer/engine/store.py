@@ -153,8 +153,13 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def save(name: str, data: dict) -> Path:
+    """Write the session atomically. Callers hold ``SessionLock(name)``; as a second line of defence a session
+    that a live process other than this one has open is refused."""
     path = session_path(name)
     Session.check_dict(data)
+    other = holder(name)
+    if other is not None and other != os.getpid():
+        raise SessionBusy(name, other, hint="save under another name, or close that chat first")
     data = {**data, "name": name, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     return path

@@ -393,3 +393,26 @@ def test_a_resumed_session_reports_the_context_its_history_takes(tiny):
     assert back._cache is None
     assert back.context_used == len(back.render()) and abs(back.context_used - used) <= 8
     assert make_session(tiny).context_used == 0
+
+
+def test_session_lock_is_exclusive_and_released(tmp_path, monkeypatch):
+    """flock locks belong to an open file, so two locks in one process conflict like two processes do."""
+    from mlxinfer.engine import store
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    data = {"format": "mlxinfer.session", "version": 1, "model": "m", "settings": {}, "messages": []}
+    lock = store.SessionLock.acquire("s")
+    assert store.lock_path("s").read_text().strip() == str(__import__("os").getpid())
+    with pytest.raises(store.SessionBusy, match=r"session 's' is open in another mlxinfer \(pid \d+\)"):
+        store.SessionLock.acquire("s")
+    store.save("s", data)  # the holder itself may save
+    lock.release()
+    assert not store.lock_path("s").exists()
+    with store.SessionLock.acquire("s") as again:
+        assert again.held
+    store.lock_path("s").write_text("1\n")  # a live process that is not us (pid 1) has it open
+    with pytest.raises(store.SessionBusy, match=r"pid 1\)"):
+        store.save("s", data)
+    store.lock_path("s").write_text("999999999\n")  # a stale file from a dead process does not block
+    store.save("s", data)
+    store.SessionLock.acquire("s").release()
