@@ -25,7 +25,8 @@ from starlette.routing import Route
 
 from . import schemas as s
 from .metrics import Metrics
-from .scheduler import Engine, Ticket
+from .scheduler import Engine
+from .sequence import Ticket
 
 
 @dataclass

@@ -20,76 +20,16 @@ Results go back to the HTTP side through ``Ticket.push`` (thread-safe, onto the 
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.generate import _holdback
-from ..engine.sampling import make_logits_processors, make_sampler, repair_random_state
+from ..engine.sampling import repair_random_state
 from .prefix_cache import PrefixCache
-from .schemas import ApiError, Job
-
-
-@dataclass
-class Ticket:
-    """One request's handle: the job, where its events go, and whether the client still wants them.
-
-    Events: ("text", piece, [logprob entries]), ("done", finish_reason, usage), ("error", ApiError)."""
-
-    job: Job
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float = field(default_factory=time.perf_counter)
-    deadline: float | None = None
-    cancelled: bool = False
-
-    def push(self, event: tuple) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-
-class _Seq:
-    def __init__(self, ticket: Ticket, cache: list, reused: int, tokenizer):
-        import mlx.core as mx
-
-        job = ticket.job
-        self.ticket, self.job, self.cache, self.reused = ticket, job, cache, reused
-        self.todo = job.prompt[reused:-1]           # prompt tokens still to prefill (the last one is fed by decode)
-        self.next_input = job.prompt[-1]
-        self.history = list(job.prompt)             # prompt + generated: what the repetition penalty looks at
-        self.generated = 0
-        self.sampler = make_sampler(job.params)
-        self.greedy = job.params.temperature == 0
-        self.processors = make_logits_processors(job.params)
-        self.rng = mx.random.key(job.params.seed) if job.params.seed is not None and not self.greedy else None
-        self.detok = tokenizer.detokenizer
-        self.text, self.emitted, self.last = "", 0, 0.0
-        self.pending_lp: list[dict] = []
-        self.stopped_by_string = False
-
-    def sample(self, logprobs):
-        """This sequence's sampler on its row. With a seed it draws from its own key (mlx-lm's samplers use the
-        global random state, which other sequences advance), through the same filters."""
-        import mlx.core as mx
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
-        if self.rng is None:
-            return self.sampler(logprobs)
-        p = self.job.params
-        self.rng, key = mx.random.split(self.rng)
-        x = logprobs
-        if 0 < p.top_p < 1:
-            x = apply_top_p(x, p.top_p)
-        if p.min_p > 0:
-            x = apply_min_p(x, p.min_p)
-        if 0 < p.top_k < x.shape[-1]:
-            x = apply_top_k(x, p.top_k)
-        return mx.random.categorical(x * (1 / p.temperature), key=key)
+from .schemas import ApiError
+from .sequence import Ticket, SeqState
 
 
 class Engine:
@@ -101,8 +41,8 @@ class Engine:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
-        self._prefilling: deque[_Seq] = deque()
-        self._batch: list[_Seq] = []
+        self._prefilling: deque[SeqState] = deque()
+        self._batch: list[SeqState] = []
         self._bcache: list | None = None   # BatchKVCache per layer when batched, else None (each seq has its own)
         self._stopping = False
         self._peak = 0
@@ -189,7 +129,7 @@ class Engine:
             m.prefix_tokens.inc(n)
         m.prompt_tokens.inc(len(job.prompt))
         m.prefill_tokens.inc(len(job.prompt) - n)
-        seq = _Seq(ticket, cache or make_prompt_cache(self.model), n, self.loaded.tokenizer)
+        seq = SeqState(ticket, cache or make_prompt_cache(self.model), n, self.loaded.tokenizer)
         self._prefilling.append(seq)
         self._update_gauges()
 
@@ -197,7 +137,7 @@ class Engine:
         """Cancelled and timed-out requests leave (a cancelled one within a token of its client going away)."""
         now = time.perf_counter()
 
-        def gone(s: _Seq) -> bool:
+        def gone(s: SeqState) -> bool:
             return s.ticket.cancelled or (s.ticket.deadline is not None and now > s.ticket.deadline)
 
         for s in [s for s in self._prefilling if gone(s)]:
@@ -224,7 +164,7 @@ class Engine:
                 self._prefilling.popleft()
                 self._join(seq)
 
-    def _join(self, seq: _Seq) -> None:
+    def _join(self, seq: SeqState) -> None:
         from mlx_lm.models.cache import BatchKVCache
 
         self._batch.append(seq)
@@ -321,7 +261,7 @@ class Engine:
             out[i] = {"id": tokens[i], "token": tok.decode([tokens[i]]), "logprob": r[tokens[i]].item(), "top": alts}
         return out
 
-    def _on_token(self, s: _Seq, tok: int, entry: dict | None, now: float) -> str | None:
+    def _on_token(self, s: SeqState, tok: int, entry: dict | None, now: float) -> str | None:
         """Account one sampled token; emit text; returns the finish reason when the sequence is done."""
         m = self.metrics
         if s.generated == 0:
@@ -353,11 +293,11 @@ class Engine:
             s.emitted = max(safe, s.emitted)
         return "length" if s.generated >= s.job.max_tokens else None
 
-    def _emit(self, s: _Seq, piece: str) -> None:
+    def _emit(self, s: SeqState, piece: str) -> None:
         s.ticket.push(("text", piece, s.pending_lp))
         s.pending_lp = []
 
-    def _finish(self, s: _Seq, reason: str | None) -> None:
+    def _finish(self, s: SeqState, reason: str | None) -> None:
         """reason None: cancelled (nothing to say) or timed out (an error the client may still read)."""
         if reason is None:
             if not s.ticket.cancelled:
