@@ -348,6 +348,12 @@ class Session:
         self.sync()
         return removed
 
+    def keep_unanswered(self) -> None:
+        """The program is ending between a message and its reply (SIGTERM): keep the message, with an empty reply
+        marked interrupted, so a saved session does not lose it (a trailing user message is dropped on resume)."""
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.append({"role": "assistant", "content": "", "interrupted": True})
+
     def clear(self) -> None:
         """A new conversation: history and cache gone; system prompt and settings stay."""
         self.messages = []

@@ -240,6 +240,7 @@ class ChatApp:
         try:
             self._loop(dispatch, is_command)
         except Terminated:
+            self.session.keep_unanswered()
             self.save_on_exit()
             raise
         finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,9 +128,11 @@ def test_second_chat_on_a_session_is_refused_and_forks(tiny, env, chats):
     assert [m["content"] for m in kept[::2]] == ["first question", "third question"]  # no turn lost
     assert not list(sessions(env).glob(".*.tmp")) and not (sessions(env) / ".notes.lock").exists()
 
-    again = run("chat", str(tiny), "--session", "notes", *FLAGS, env=env, input="fourth\n")
+    again = run("chat", str(tiny), "--session", "notes", *FLAGS, env=env, input="/show\nfourth\n")
     assert again.returncode == 0, again.stderr
     assert len(messages(env, "notes")) == 6
+    used = re.search(r"context used\s+(\d+)/65536 tokens", again.stderr)
+    assert used and int(used[1]) > 30, again.stderr  # issue #16: a resumed session said 0 before its first turn
 
 
 def test_save_and_load_inside_chat_respect_the_lock(tiny, env, chats):
