@@ -348,6 +348,12 @@ def test_terminated_keeps_the_exchange_even_before_the_first_token(tiny):
     with pytest.raises(KeyboardInterrupt):
         run(turn)
     assert turn.discarded and s.messages == []
+    s.loaded = tiny
+    s.send("Sent just before SIGTERM")  # the turn never ran
+    s.keep_unanswered()
+    assert s.messages[-1] == {"role": "assistant", "content": "", "interrupted": True}
+    s.keep_unanswered()
+    assert len(s.messages) == 2
 
 
 def test_settings_are_checked_against_the_model(tiny):
