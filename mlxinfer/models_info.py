@@ -1,9 +1,10 @@
-"""What ``mlxinfer models`` reports about each registry alias (no printing here)."""
+"""What ``mlxinfer models`` reports: each registry alias, then the Hub repos in the cache that MLX can load and the
+GGUF import copies, with their sizes on disk (no printing here)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import MlxinferError
@@ -12,7 +13,7 @@ from .registry import Registry
 
 @dataclass
 class ModelRow:
-    alias: str
+    alias: str | None               # None for cache rows
     description: str
     params: str
     quant: str
@@ -20,7 +21,11 @@ class ModelRow:
     on_disk: bool
     disk_bytes: int | None
     location: str | None
-    origin: str                     # which models.toml defined it
+    origin: str                     # which models.toml defined it; "hub cache" / "gguf import" for cache rows
+    kind: str = "alias"             # "alias" | "hub" | "gguf"
+    name: str = ""                  # what to pass to pull/rm/show
+    revisions: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)  # registry aliases that name this cache entry
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +79,53 @@ def list_models(registry: Registry | None = None) -> list[ModelRow]:
             alias=alias, description=description, params=str(entry.get("params", "")),
             quant=quant, source=source, on_disk=local is not None,
             disk_bytes=_dir_bytes(local) if local else None, location=str(local) if local else None,
-            origin=str(registry.origin(alias)),
+            origin=str(registry.origin(alias)), name=alias,
+        ))
+    return rows + cache_rows(registry)
+
+
+def _config(directory: Path) -> dict:
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _quant(config: dict) -> str:
+    q = config.get("quantization")
+    return f"{q['bits']}-bit" if isinstance(q, dict) and "bits" in q else ""
+
+
+def cache_rows(registry: Registry) -> list[ModelRow]:
+    """Hub repos MLX can load (huggingface_hub's cache scan) and GGUF imports, whichever aliases name them."""
+    from .sources.cache import gguf_imports, hub_models
+
+    by_repo: dict[str, list[str]] = {}
+    by_file: dict[str, list[str]] = {}
+    for alias in registry.aliases():
+        e = registry.entry(alias)
+        if "hub" in e:
+            by_repo.setdefault(e["hub"], []).append(alias)
+        for key in ("file", "path"):
+            if str(e.get(key, "")).lower().endswith(".gguf"):
+                by_file.setdefault(Path(e[key]).name, []).append(alias)
+    rows = []
+    for m in hub_models():
+        config = _config(m.path)
+        refs = ", ".join(m.refs) or m.revisions[0][:10]
+        rows.append(ModelRow(
+            alias=None, description=f"{config.get('model_type', '?')} ({refs})", params="", quant=_quant(config),
+            source=m.name, on_disk=True, disk_bytes=m.disk_bytes, location=str(m.path), origin="hub cache",
+            kind="hub", name=m.name, revisions=m.revisions, aliases=by_repo.get(m.name, []),
+        ))
+    for m in gguf_imports():
+        label = m.info.get("size_label", "")
+        kind = m.info.get("file_type_name", "")
+        rows.append(ModelRow(
+            alias=None, description=f"GGUF import of {m.name}" + (f" ({m.info['name']})" if m.info.get("name") else ""),
+            params=str(label), quant=kind or _quant(_config(m.path)), source=m.name, on_disk=True,
+            disk_bytes=m.disk_bytes, location=str(m.path), origin="gguf import", kind="gguf", name=m.name,
+            aliases=by_file.get(m.name, []),
         ))
     return rows

