@@ -5,8 +5,11 @@ is in use or why there is none. The extension is ABI-tied to the exact MLX versi
 a build is used only when its stamp matches the running MLX (and, in a source checkout, the current sources):
 
 1. the module next to this file, built by ``pip install`` (setup.py) against the MLX in the build env;
-2. else a module built on demand into ``$MLXINFER_CACHE/native/<mlx>-<python>-<sources>/`` by
-   ``python -m mlxinfer.native build`` (or ``ensure_built()``), e.g. after MLX was upgraded.
+2. else a module built on demand into ``$MLXINFER_CACHE/native/<mlx>-<python>-<sources>/`` (default
+   ``$XDG_CACHE_HOME/mlxinfer``) by ``python -m mlxinfer.native build`` (or ``ensure_built()``), e.g. after MLX was
+   upgraded; cmake and nanobind are fetched into that cache when the environment lacks them.
+
+``problem()`` is the one line a front end shows when the kernels are off for a reason the user did not choose.
 
 Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
 (default: all cores); ``MLXINFER_ISA=generic|avx2|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
@@ -30,6 +33,7 @@ _REPO_SOURCES = _HERE.parent.parent / "cpu_kernels"
 _PACKAGED_SOURCES = _HERE.parent / "data" / "cpu_kernels"
 
 _state: dict = {}  # "module", "where", "reason", "provider" once loaded
+BUILD_COMMAND = "python -m mlxinfer.native build"
 
 
 def source_dir() -> Optional[Path]:
@@ -41,8 +45,10 @@ def source_dir() -> Optional[Path]:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("MLXINFER_CACHE")
-    root = Path(base).expanduser() if base else Path.home() / ".cache" / "mlxinfer"
+    if os.environ.get("MLXINFER_CACHE"):
+        root = Path(os.environ["MLXINFER_CACHE"]).expanduser()
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "mlxinfer"
     return root / "native"
 
 
@@ -95,13 +101,14 @@ def _locate() -> Tuple[Optional[Path], str]:
         cached, _ = _check_stamp(_cache_build_dir(mlx_version, sources), mlx_version, sources)
         if cached is not None:
             return cached, f"built in {cached.parent}"
-    return None, f"native CPU kernels not built ({why_installed}); run: python -m mlxinfer.native build"
+    state = "unusable" if why_installed.startswith("built for") else "not built"
+    return None, f"native CPU kernels {state} ({why_installed}); run: {build_command()}"
 
 
 def _load() -> Optional[ModuleType]:
     if "reason" in _state:
         return _state.get("module")
-    if os.environ.get("MLXINFER_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _disabled():
         _state["reason"] = "native CPU kernels disabled by MLXINFER_NATIVE=0"
         return None
     path, where = _locate()
@@ -118,6 +125,31 @@ def _load() -> Optional[ModuleType]:
         module.set_num_threads(int(env_threads))
     _state.update(module=module, where=where, reason="")
     return module
+
+
+def _disabled() -> bool:
+    return os.environ.get("MLXINFER_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def problem() -> Optional[str]:
+    """One line when the native kernels are off although nobody asked for that (a build for another MLX, none at
+    all, a failed load), with the fix; None when they run or MLXINFER_NATIVE=0 turned them off."""
+    if _load() is not None or _disabled():
+        return None
+    reason = _state["reason"].split("; run:")[0]
+    return (f"{reason}: decode is several times slower on MLX's built-in kernels; fix: {build_command()} "
+            "(MLXINFER_NATIVE=0 hides this)")
+
+
+def build_command() -> str:
+    """The rebuild command for this interpreter: pipx and uv tool installs have their own, not the ``python``
+    on PATH."""
+    import shutil
+
+    found = shutil.which("python")
+    if found is not None and Path(found).absolute().parent == Path(sys.executable).absolute().parent:
+        return BUILD_COMMAND
+    return f"{sys.executable} -m mlxinfer.native build"
 
 
 def reset() -> None:
@@ -160,18 +192,26 @@ def provider():
     return _state["provider"]
 
 
-def ensure_built(log: Optional[Callable[[str], None]] = None) -> Path:
+def ensure_built(log: Optional[Callable[[str], None]] = None, *, install_tools: bool = True) -> Path:
     """Return a usable module path, building into the cache when no usable build exists.
 
-    Raises RuntimeError with the reason when it cannot be built (no sources, compiler, cmake or nanobind).
+    cmake and nanobind missing from this environment are installed into ``cache_dir()/tools`` first (with this
+    interpreter's pip, or uv), so this works on a plain ``pip``/``pipx``/``uv tool`` install that only needs a C++
+    compiler. Raises RuntimeError with the reason when it cannot be built (no sources or compiler, build error).
     """
     path, _ = _locate()
     if path is not None:
         return path
     src = source_dir()
     if src is None:
-        raise RuntimeError("the cpu_kernels sources are not installed with mlxinfer")
+        raise RuntimeError("the cpu_kernels sources are not installed with mlxinfer (reinstall mlxinfer)")
+    tools = cache_dir() / "tools"
+    missing = _build.missing_tools(tools)
+    if missing and install_tools:
+        if log:
+            log(f"fetching the build tools {', '.join(missing)} into {tools}")
+        _build.install_tools(missing, tools, log=log)
     out = _cache_build_dir(_mlx_version(), _build.sources_hash(src))
-    built = _build.build(src, out, log=log)
+    built = _build.build(src, out, log=log, tools=tools)
     reset()
     return built

@@ -52,29 +52,83 @@ def mlx_header_version(python: str = sys.executable) -> str:
     return ".".join(m.group(1) for m in parts)
 
 
-def toolchain_problem() -> Optional[str]:
-    """None when cmake and a C++ compiler are on PATH, else what is missing (one line)."""
-    if shutil.which("cmake") is None:
-        return "cmake is not installed"
+NANOBIND = "nanobind==3.1.0"
+CMAKE = "cmake>=3.25"
+
+
+def _tools_env(tools: Optional[Path]) -> dict:
+    """The environment for cmake and the compiler: ``tools`` (a ``pip install --target`` folder) first on PATH
+    and PYTHONPATH, so its cmake and nanobind are found without touching the running environment."""
+    env = dict(os.environ)
+    if tools is not None:
+        env["PATH"] = os.pathsep.join([str(tools / "bin"), env.get("PATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [str(tools), env.get("PYTHONPATH", "")] if p)
+    return env
+
+
+def missing_tools(tools: Optional[Path] = None) -> list:
+    """The PyPI requirements (cmake, nanobind) this environment (plus ``tools``) lacks for a build."""
+    env = _tools_env(tools)
+    missing = []
+    if shutil.which("cmake", path=env["PATH"]) is None:
+        missing.append(CMAKE)
+    probe = subprocess.run([sys.executable, "-c", "import nanobind"], env=env, capture_output=True)
+    if probe.returncode != 0:
+        missing.append(NANOBIND)
+    return missing
+
+
+def install_tools(requirements: list, target: Path, log: Optional[Callable[[str], None]] = None) -> None:
+    """Install build requirements into ``target`` with this interpreter's pip (or uv, which uv tool installs
+    have instead), leaving the running environment as it is. Raises RuntimeError when neither can."""
+    import importlib.util
+
+    if importlib.util.find_spec("pip") is not None:
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--upgrade", "--target", str(target)]
+    elif shutil.which("uv"):
+        cmd = ["uv", "pip", "install", "--quiet", "--python", sys.executable, "--target", str(target)]
+    else:
+        raise RuntimeError(f"cannot install {' and '.join(requirements)}: this environment has neither pip nor uv")
+    cmd += requirements
+    if log:
+        log(" ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        raise RuntimeError(f"installing {' and '.join(requirements)} failed: {tail[0]}")
+
+
+def toolchain_problem(tools: Optional[Path] = None) -> Optional[str]:
+    """None when cmake, nanobind and a C++ compiler are available, else what is missing (one line)."""
+    missing = missing_tools(tools)
+    if CMAKE in missing:
+        return "cmake is not installed (pip install 'cmake>=3.25')"
     cxx = os.environ.get("CXX")
     if not (cxx and shutil.which(cxx)) and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         return "no C++ compiler found (install g++ or clang++)"
-    try:
-        import nanobind  # noqa: F401  (only its CMake files and sources are used)
-    except ImportError:
-        return "nanobind is not installed (pip install nanobind==3.1.0)"
+    if NANOBIND in missing:
+        return f"nanobind is not installed (pip install {NANOBIND})"
     return None
 
 
+def _rpath_flags() -> list:
+    """Find libmlx next to the installed module (site-packages/mlx/lib) rather than in the temporary build
+    environment the linker saw; mlx.core loads it first anyway, so this only keeps the module relocatable."""
+    origin = "@loader_path" if sys.platform == "darwin" else "$ORIGIN"
+    flag = f"-Wl,-rpath,{origin}/../../mlx/lib"
+    return ["-DCMAKE_SKIP_BUILD_RPATH=ON", f"-DCMAKE_MODULE_LINKER_FLAGS={flag}",
+            f"-DCMAKE_SHARED_LINKER_FLAGS={flag}"]
+
+
 def build(source_dir: Path, output_dir: Path, *, jobs: Optional[int] = None,
-          log: Optional[Callable[[str], None]] = None) -> Path:
+          log: Optional[Callable[[str], None]] = None, tools: Optional[Path] = None) -> Path:
     """Configure and compile ``source_dir`` into ``output_dir/<module>``; returns the module path.
 
     The module and its stamp are moved into place atomically, so a concurrent loader never sees half a file.
     Raises RuntimeError (with the tail of the compiler output) when the build fails.
     """
     source_dir, output_dir = Path(source_dir).resolve(), Path(output_dir).resolve()
-    problem = toolchain_problem()
+    problem = toolchain_problem(tools)
     if problem:
         raise RuntimeError(problem)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -83,13 +137,13 @@ def build(source_dir: Path, output_dir: Path, *, jobs: Optional[int] = None,
         out_tmp = Path(tmp) / "out"
         configure = [
             "cmake", "-S", str(source_dir), "-B", str(Path(tmp) / "build"), "-DCMAKE_BUILD_TYPE=Release",
-            f"-DPython_EXECUTABLE={sys.executable}", f"-DMLXINFER_OUTPUT_DIR={out_tmp}",
+            f"-DPython_EXECUTABLE={sys.executable}", f"-DMLXINFER_OUTPUT_DIR={out_tmp}", *_rpath_flags(),
         ]
         compile_ = ["cmake", "--build", str(Path(tmp) / "build"), f"-j{jobs or os.cpu_count() or 1}"]
         for cmd in (configure, compile_):
             if log:
                 log(" ".join(cmd))
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=_tools_env(tools))
             if proc.returncode != 0:
                 tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
                 raise RuntimeError(f"native CPU kernel build failed ({cmd[1]}):\n{tail}")

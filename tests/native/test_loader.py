@@ -79,3 +79,109 @@ def test_thread_override_from_environment(native_ext):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     threads, status = out.splitlines()
     assert threads == "3" and "3 threads" in status and f"MLX {native_ext.mlx_version}" in status
+
+
+def test_mismatch_is_a_visible_problem_with_a_fix(isolated):
+    """A build for another MLX is named as the reason, with the command that fixes it, in one line."""
+    (isolated / _build.module_filename()).write_bytes(b"not a real module")
+    (isolated / _build.STAMP).write_text(json.dumps({"mlx_version": "0.32.3", "sources": "x"}))
+    line = native.problem()
+    assert line is not None and "\n" not in line
+    assert "unusable (built for MLX 0.32.3 but MLX" in line and "mlxinfer.native build" in line
+    assert "slower" in line
+
+
+def test_no_problem_when_loaded_or_disabled(monkeypatch, isolated):
+    monkeypatch.setenv("MLXINFER_NATIVE", "0")
+    native.reset()
+    assert native.problem() is None
+
+
+def test_build_command_names_this_interpreter_when_python_is_another(monkeypatch, tmp_path):
+    """pipx / uv tool installs: the `python` on PATH is not the one mlxinfer runs in."""
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "python").write_text("#!/bin/sh\n")
+    (other / "python").chmod(0o755)
+    monkeypatch.setenv("PATH", str(other))
+    assert native.build_command() == f"{sys.executable} -m mlxinfer.native build"
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    if os.path.basename(sys.executable) == "python" or os.path.exists(os.path.join(os.path.dirname(sys.executable), "python")):
+        assert native.build_command() == "python -m mlxinfer.native build"
+
+
+def test_cache_follows_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLXINFER_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native.cache_dir() == tmp_path / "xdg" / "mlxinfer" / "native"
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path / "own"))
+    assert native.cache_dir() == tmp_path / "own" / "native"
+
+
+def test_missing_tools_are_fetched_into_the_cache_not_the_environment(monkeypatch, tmp_path):
+    """Without cmake/nanobind, ensure_built installs them with --target into the cache, then builds with them."""
+    calls = {}
+    monkeypatch.setattr(native, "_HERE", tmp_path / "pkg")
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_build, "missing_tools", lambda tools=None: [_build.NANOBIND])
+    monkeypatch.setattr(_build, "install_tools", lambda reqs, target, log=None: calls.update(reqs=reqs, target=target))
+
+    def fake_build(src, out, log=None, tools=None):
+        calls.update(out=out, tools=tools)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(_build, "build", fake_build)
+    native.reset()
+    try:
+        with pytest.raises(RuntimeError, match="stop here"):
+            native.ensure_built()
+    finally:
+        native.reset()
+    assert calls["reqs"] == [_build.NANOBIND] and calls["target"] == tmp_path / "cache" / "native" / "tools"
+    assert calls["tools"] == calls["target"] and str(calls["out"]).startswith(str(tmp_path / "cache" / "native"))
+
+
+def test_install_tools_uses_target_and_reports_failure(monkeypatch, tmp_path):
+    seen = []
+
+    class Proc:
+        returncode = 1
+        stdout = ""
+        stderr = "ERROR: No matching distribution found for nanobind==3.1.0"
+
+    monkeypatch.setattr(_build.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or Proc())
+    with pytest.raises(RuntimeError, match="installing nanobind==3.1.0 failed: ERROR: No matching"):
+        _build.install_tools([_build.NANOBIND], tmp_path / "tools")
+    assert "--target" in seen[0] and str(tmp_path / "tools") in seen[0] and seen[0][-1] == _build.NANOBIND
+
+
+@pytest.mark.slow
+def test_plain_install_rebuild_for_another_mlx(tmp_path):
+    """The advertised fix, end to end: the installed build is for another MLX and nanobind is not installed in
+    this environment; `python -m mlxinfer.native build` fetches it into the cache, compiles the sources into
+    $XDG_CACHE_HOME/mlxinfer/native and the kernels load from there."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, sys, pathlib\n"
+        "from mlxinfer import native\n"
+        "from mlxinfer.native import _build, __main__ as cli\n"
+        f"pkg = pathlib.Path({str(tmp_path / 'pkg')!r}); pkg.mkdir()\n"
+        "(pkg / _build.module_filename()).write_bytes(b'x')\n"
+        "(pkg / _build.STAMP).write_text(json.dumps({'mlx_version': '0.0.1', 'sources': 'x'}))\n"
+        "native._HERE = pkg\n"
+        "assert native.problem() and 'built for MLX 0.0.1' in native.problem()\n"
+        "native.reset()\n"
+        "rc = cli.main(['build'])\n"
+        "print('RC', rc, native.problem(), native.status())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MLXINFER_CACHE", "MLXINFER_NATIVE")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    if "no C++ compiler" in proc.stderr:
+        pytest.skip("no C++ compiler here")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RC 0 None native CPU kernels (") and str(tmp_path / "xdg" / "mlxinfer" / "native") in last
+    if not _build.missing_tools():  # nanobind was already here: nothing to fetch
+        return
+    assert (tmp_path / "xdg" / "mlxinfer" / "native" / "tools" / "nanobind").is_dir()
