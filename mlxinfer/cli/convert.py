@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
-import signal
 import sys
 from typing import Annotated, Optional
 
@@ -12,23 +10,6 @@ import typer
 
 _STAGES = {"download": "download", "import": "import", "convert": "Converting tensors", "eval": "Quality check"}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """``kill`` (SIGTERM) cleans up like Ctrl-C: convert removes its temp dir on KeyboardInterrupt."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except (ValueError, OSError):  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _peak_rss() -> int | None:
@@ -91,8 +72,8 @@ def convert_cmd(
             if bar is not None:
                 bar(_STAGES.get(stage, stage), done, total)
 
-        with _sigterm_as_interrupt():
-            result = convert(source, output, opts, progress=progress)
+        # SIGTERM/SIGHUP arrive as Terminated (cli/main.py): convert cleans up its temp dir as for Ctrl-C
+        result = convert(source, output, opts, progress=progress)
 
     rev = f" @ {result.source.revision[:12]}" if result.source.revision else ""
     lines = [

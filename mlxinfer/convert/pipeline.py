@@ -1,24 +1,23 @@
 """``convert()``: source -> lazily loaded mlx-lm model -> cast / (de)quantize -> streamed shards -> quality -> rename.
 
-Everything is written into a temporary directory next to OUT_DIR and renamed into place at the end, so an error
-or Ctrl-C leaves no partial OUT_DIR; an existing OUT_DIR is only replaced with ``force=True``.
+Everything is written into a temporary directory next to OUT_DIR (``fsutil.AtomicDir``) and renamed into place at
+the end, so an error, Ctrl-C, SIGTERM or a full disk leaves no partial OUT_DIR. Where ``-o`` may point and what
+``--force`` may replace is decided by ``output`` before any work.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import fnmatch
-import os
-import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from ..errors import InvalidParameter, MlxinferError
+from ..fsutil import AtomicDir, write_failure
 from . import recipes as R
+from .output import OutputExists, check_not_source, check_output_path, check_replaceable, disk_error, is_model_file  # noqa: F401,E501
 from .source import SourceInfo, resolve_source
 
 Progress = Callable[[str, int, int], None]
@@ -27,13 +26,9 @@ DEFAULT_SHARD_BYTES = 1 << 30
 # Quality check is on by default up to this many source parameters (two models run the sample).
 AUTO_EVAL_MAX_PARAMS = 4_000_000_000
 AUTO_EVAL_MAX_PARAMS_CPU = 200_000_000
-# Files copied from the source next to the weights: tokenizer, generation settings, chat template, licence.
-COPY_PATTERNS = ("*.json", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jinja", "LICENSE*")
-SKIP_FILES = {"config.json", "model.safetensors.index.json"}
-
-
-class OutputExists(MlxinferError):
-    pass
+# Not copied from the source: what convert writes itself, and clutter. The rest of output.MODEL_FILES (tokenizer,
+# generation settings, chat template, licence) is copied; nothing else, so an output is always a model directory.
+SKIP_FILES = {"config.json", "README.md", ".gitattributes", ".DS_Store"}
 
 
 class InsufficientDisk(MlxinferError):
@@ -90,14 +85,6 @@ def plan_recipe(opts: ConvertOptions) -> R.Recipe | None:
     return recipe
 
 
-def _check_output(out: Path, force: bool) -> None:
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise OutputExists(f"{out} already exists", hint="choose another -o, or add --force to replace it")
-        if not out.is_dir():
-            raise OutputExists(f"{out} exists and is not a directory", hint="remove it or choose another -o")
-
-
 def _check_disk(where: Path, need: int, what: str) -> None:
     free = shutil.disk_usage(where).free
     need = int(need * 1.02) + (16 << 20)
@@ -120,9 +107,9 @@ def _eval_defaults(opts: ConvertOptions, params: int) -> tuple[bool, int]:
 
 def _copy_side_files(src: Path, dst: Path) -> None:
     for p in sorted(src.iterdir()):
-        if not p.is_file() or p.name in SKIP_FILES or p.name.startswith("."):
+        if not p.is_file() or p.name in SKIP_FILES or not is_model_file(p.name):
             continue
-        if p.name.endswith((".index.json",)) or not any(fnmatch.fnmatch(p.name, pat) for pat in COPY_PATTERNS):
+        if p.name.endswith((".safetensors", ".index.json")):
             continue
         shutil.copyfile(p, dst / p.name)
 
@@ -213,18 +200,12 @@ def convert(
     ``progress(stage, done, total)`` stages: "download" (bytes), "import" (GGUF tensors), "convert" (tensors),
     "eval" (tokens). ``after_tensor`` is a test hook called after each tensor is computed.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.utils import get_total_parameters, save_config
-
-    from .. import __version__
-    from . import card, writer
-    from .quality import evaluate
+    from . import card
 
     opts = opts or ConvertOptions()
     started = time.perf_counter()
-    out = Path(out_dir).expanduser().absolute()
-    _check_output(out, opts.force)
+    out = check_output_path(out_dir)  # empty, cwd, home, /, below a file, /proc, read-only: before any work
+    check_replaceable(out, opts.force)
     recipe = plan_recipe(opts)
     if opts.dtype and opts.dtype not in DTYPES:
         raise InvalidParameter(f"--dtype {opts.dtype} is not supported", hint=f"use one of {', '.join(DTYPES)}")
@@ -233,121 +214,100 @@ def convert(
     if opts.shard_bytes < 1:
         raise InvalidParameter("the shard size must be positive")
     info = resolve_source(source, revision=opts.revision, progress=progress)
-    if out.resolve() == info.path.resolve():
-        raise OutputExists(f"{out} is the source itself", hint="write the converted model to another -o")
+    check_not_source(out, info.path)
     size_before = info.size_bytes()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _check_disk(out.parent, size_before if info.is_gguf else 0, "the conversion")
 
     notes: list[str] = []
-    _remove_stale_temp_dirs(out)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-"))
-    try:
-        src_dir = info.path
-        if info.is_gguf:
-            from ..sources.gguf_import import convert_gguf, imported_dir
-
-            cached = imported_dir(info.path)
-            if (cached / "config.json").exists() and (cached / "model.safetensors").exists():
-                src_dir = cached
-            else:  # import into our temp dir (removed with it) rather than filling the cache with a copy
-                src_dir = convert_gguf(info.path, tmp / "_gguf", progress=progress)
-
-        model, config, dtype = _prepare_model(src_dir, opts, recipe, notes)
-        parameters = int(get_total_parameters(model))
-        weights = dict(tree_flatten(model.parameters()))
-        # Drop the model's references: from here the dict holds the only handle on each lazy tensor.
-        model.update(tree_map(lambda _: mx.array([]), model.parameters()))
-        del model
-        _check_disk(tmp, sum(int(v.nbytes) for v in weights.values()), "the converted weights")
-        stats = writer.write_shards(weights, tmp, max_shard_bytes=opts.shard_bytes, total_parameters=parameters,
-                                    progress=progress, after_tensor=after_tensor)
-        del weights
-
-        _copy_side_files(src_dir, tmp)
-        recipe_label = (recipe.label() if recipe else
-                        "dequantized" if opts.dequantize else "kept as in the source (no quantization)")
-        meta = {
-            "source": info.label, "repo": info.repo, "revision": info.revision, "format": info.kind,
-            "recipe": recipe_label, "recipe_source": recipe.source if recipe else None,
-            "dtype": dtype, "mlxinfer_version": __version__,
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "parameters": parameters, "size_before": size_before, "size_after": stats.total_bytes,
-            "bits_per_weight": round(stats.total_bytes * 8 / max(parameters, 1), 4),
-            "name": out.name, "out_dir": str(out),
-        }
-        converted = {k: v for k, v in meta.items() if k not in ("name", "out_dir")}
-        if isinstance(config.get("mlxinfer"), dict):  # e.g. the GGUF import's record: keep it with ours
-            converted["source_metadata"] = config["mlxinfer"]
-        config["mlxinfer"] = {"converted": converted}
-        save_config(dict(config), tmp / "config.json")
-
-        quality = None
-        run_eval, eval_tokens = _eval_defaults(opts, parameters)
-        if run_eval:
-            try:
-                quality = evaluate(src_dir, tmp, max_tokens=eval_tokens, progress=progress)
-            except (MlxinferError, ValueError, RuntimeError) as e:
-                if opts.eval:  # asked for explicitly: the report is part of the job
-                    raise
-                notes.append(f"quality check skipped: {e}")  # the conversion itself is fine: keep it
-            if quality is not None:
-                config["mlxinfer"]["converted"]["quality"] = quality.as_dict()
-                save_config(dict(config), tmp / "config.json")
-        (tmp / "README.md").write_text(card.model_card(meta, quality.rows() if quality else None))
-        if notes:
-            config["mlxinfer"]["converted"]["notes"] = notes
-            save_config(dict(config), tmp / "config.json")
-
-        shutil.rmtree(tmp / "_gguf", ignore_errors=True)
-        _publish(tmp, out, opts.force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with AtomicDir(out, describe_error=lambda e: disk_error(e, out)) as staging:
+        _check_disk(out.parent, size_before if info.is_gguf else 0, "the conversion")
+        try:
+            meta, stats, quality, dtype = _build(staging.path, info, opts, recipe, notes, size_before, out,
+                                                 progress=progress, after_tensor=after_tensor)
+        except (OSError, RuntimeError) as e:  # judged while the temp dir still fills the disk
+            failure = write_failure(e, out.parent, f"the converted model {out.name}")
+            if failure is None:
+                raise
+            raise failure from None
+        check_replaceable(out, opts.force)  # again: it may have appeared meanwhile
+        staging.publish(replace=True)
 
     alias_file = None
     if opts.alias:
         alias_file = card.add_alias(opts.alias, out, description=f"converted from {info.label}",
                                     quant=recipe.label() if recipe else (dtype or ""), replace=opts.force)
     return ConvertResult(
-        out_dir=out, source=info, recipe=meta["recipe"], parameters=parameters, size_before=size_before,
+        out_dir=out, source=info, recipe=meta["recipe"], parameters=meta["parameters"], size_before=size_before,
         size_after=stats.total_bytes, bits_per_weight=meta["bits_per_weight"],
         seconds=time.perf_counter() - started, shards=stats.files, quality=quality, alias_file=alias_file,
         notes=notes,
     )
 
 
-def _remove_stale_temp_dirs(out: Path) -> None:
-    """Remove temp dirs that a killed conversion (SIGKILL, power loss) left next to ``out``.
+def _build(tmp: Path, info: SourceInfo, opts: ConvertOptions, recipe: R.Recipe | None, notes: list[str],
+           size_before: int, out: Path, *, progress: Progress | None, after_tensor):
+    """Everything ``convert`` writes, into ``tmp``. -> (model card facts, write stats, quality report, dtype)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import get_total_parameters, save_config
 
-    Their names carry the converting process's id; a directory is only removed when that process is gone.
-    """
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)")
-    for p in out.parent.iterdir() if out.parent.is_dir() else ():
-        m = pattern.match(p.name)
-        if not m or not p.is_dir() or int(m.group(1)) == os.getpid():
-            continue
+    from .. import __version__
+    from . import card, writer
+    from .quality import evaluate
+
+    src_dir = info.path
+    if info.is_gguf:
+        from ..sources.gguf_import import convert_gguf, imported_dir
+
+        cached = imported_dir(info.path)
+        if (cached / "config.json").exists() and (cached / "model.safetensors").exists():
+            src_dir = cached
+        else:  # import into our temp dir (removed with it) rather than filling the cache with a copy
+            src_dir = convert_gguf(info.path, tmp / "_gguf", progress=progress)
+
+    model, config, dtype = _prepare_model(src_dir, opts, recipe, notes)
+    parameters = int(get_total_parameters(model))
+    weights = dict(tree_flatten(model.parameters()))
+    # Drop the model's references: from here the dict holds the only handle on each lazy tensor.
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))
+    del model
+    _check_disk(tmp, sum(int(v.nbytes) for v in weights.values()), "the converted weights")
+    stats = writer.write_shards(weights, tmp, max_shard_bytes=opts.shard_bytes, total_parameters=parameters,
+                                progress=progress, after_tensor=after_tensor)
+    del weights
+
+    _copy_side_files(src_dir, tmp)
+    recipe_label = (recipe.label() if recipe else
+                    "dequantized" if opts.dequantize else "kept as in the source (no quantization)")
+    meta = {
+        "source": info.label, "repo": info.repo, "revision": info.revision, "format": info.kind,
+        "recipe": recipe_label, "recipe_source": recipe.source if recipe else None,
+        "dtype": dtype, "mlxinfer_version": __version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "parameters": parameters, "size_before": size_before, "size_after": stats.total_bytes,
+        "bits_per_weight": round(stats.total_bytes * 8 / max(parameters, 1), 4),
+        "name": out.name, "out_dir": str(out),
+    }
+    converted = {k: v for k, v in meta.items() if k not in ("name", "out_dir")}
+    if isinstance(config.get("mlxinfer"), dict):  # e.g. the GGUF import's record: keep it with ours
+        converted["source_metadata"] = config["mlxinfer"]
+    config["mlxinfer"] = {"converted": converted}
+    save_config(dict(config), tmp / "config.json")
+
+    quality = None
+    run_eval, eval_tokens = _eval_defaults(opts, parameters)
+    if run_eval:
         try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except OSError:  # alive but not ours (EPERM): leave it
-            continue
-
-
-def _publish(tmp: Path, out: Path, force: bool) -> None:
-    """Rename the finished temp dir to ``out``; an old ``out`` (only with force) is moved aside, then removed."""
-    old = None
-    if out.exists():
-        if not force:  # it appeared while we were converting
-            raise OutputExists(f"{out} already exists", hint="add --force to replace it")
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+            quality = evaluate(src_dir, tmp, max_tokens=eval_tokens, progress=progress)
+        except (MlxinferError, ValueError, RuntimeError) as e:
+            if opts.eval:  # asked for explicitly: the report is part of the job
+                raise
+            notes.append(f"quality check skipped: {e}")  # the conversion itself is fine: keep it
+        if quality is not None:
+            config["mlxinfer"]["converted"]["quality"] = quality.as_dict()
+            save_config(dict(config), tmp / "config.json")
+    (tmp / "README.md").write_text(card.model_card(meta, quality.rows() if quality else None))
+    if notes:
+        config["mlxinfer"]["converted"]["notes"] = notes
+        save_config(dict(config), tmp / "config.json")
+    shutil.rmtree(tmp / "_gguf", ignore_errors=True)
+    return meta, stats, quality, dtype

@@ -25,46 +25,138 @@ BLOCK_NAMES = {
 }
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight; Gemma's by 1 + w)
 NORM_SHIFT = {"gemma3": 1.0}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+COMMON_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+# Bounds on the sizes read from metadata (as engine.model_checks bounds config.json): far beyond real models,
+# far below what would exhaust memory. (key suffix, config field, lowest, highest)
+_INT_KEYS = (
+    ("embedding_length", "hidden_size", 1, 1 << 17),
+    ("block_count", "num_hidden_layers", 1, 4096),
+    ("feed_forward_length", "intermediate_size", 0, 1 << 20),
+    ("attention.head_count", "num_attention_heads", 1, 1 << 12),
+    ("attention.head_count_kv", "num_key_value_heads", 1, 1 << 12),
+    ("context_length", "max_position_embeddings", 1, 1 << 28),
+)
+MAX_VOCAB = 1 << 24
+_MISSING = object()
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """GGUF tensor name -> the Hugging Face name mlx-lm loads (None: not a tensor of this architecture)."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = (base.split(".", 2) + ["", ""])[:3]
+        mapped = (BLOCK_NAMES.get(arch, {}).get(part) or COMMON_BLOCK_NAMES.get(part)) if layer.isdigit() else None
+        return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
+    mapped = GLOBAL_NAMES.get(base)
+    return f"{mapped}.{suffix}" if mapped else None
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
+    """The inverse of ``hf_name``, for messages about tensors a file lacks (``hf`` itself when unmapped)."""
+    base, _, suffix = hf.rpartition(".")
+    if base.startswith("model.layers."):
+        _, _, layer, part = base.split(".", 3)
+        names = {**COMMON_BLOCK_NAMES, **BLOCK_NAMES.get(arch, {})}  # this architecture's GGUF -> HF names
+        found = [g for g, h in names.items() if h == part]
+        return f"blk.{layer}.{found[0]}.{suffix}" if found else hf
+    for g, h in GLOBAL_NAMES.items():
+        if h == base:
+            return f"{g}.{suffix}"
+    return hf
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def meta_int(meta: dict, key: str, default=_MISSING, lo: int = 0, hi: int = 1 << 62) -> int:
+    """An integer metadata value within [lo, hi], or one line naming the key."""
+    value = meta.get(key, default)
+    if value is _MISSING or value is None:
+        raise InvalidModel(f"GGUF metadata lacks '{key}'", hint="the file is incomplete or not a supported LLM")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidModel(f"GGUF metadata '{key}' is {_short(value)}, not a whole number",
+                           hint="the file is corrupt or not a supported LLM")
+    if not lo <= value <= hi:
+        raise InvalidModel(f"GGUF metadata '{key}' is {value}, outside {lo}..{hi}",
+                           hint="the file is corrupt or not a supported LLM")
+    return value
+
+
+def meta_float(meta: dict, key: str, default: float, *, positive: bool = False) -> float:
+    value = meta.get(key, default)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and np.isfinite(value) and (
+        value > 0 if positive else value >= 0)
+    if not ok:
+        raise InvalidModel(f"GGUF metadata '{key}' is {_short(value)}, not a {'positive' if positive else 'non-negative'}"
+                           " number", hint="the file is corrupt")
+    return float(value)
 
 
 def llm_config(meta: dict, arch: str, has_output: bool) -> dict:
+    """config.json for mlx-lm from ``{arch}.*`` metadata; every value is type- and bounds-checked, naming its key."""
+    model_type, cls, permuted = ARCHS[arch]
+    config: dict[str, Any] = {"model_type": model_type, "architectures": [cls]}
+    for key, field, lo, hi in _INT_KEYS:
+        default = config.get("num_attention_heads", _MISSING) if key == "attention.head_count_kv" else (
+            4096 if key == "context_length" else _MISSING)
+        config[field] = meta_int(meta, f"{arch}.{key}", default, lo, hi)
+    hidden, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    if f"{arch}.attention.key_length" in meta:
+        head_dim = meta_int(meta, f"{arch}.attention.key_length", lo=1, hi=1 << 14)
+    elif hidden % heads:
+        raise InvalidModel(f"GGUF metadata '{arch}.embedding_length' {hidden} does not divide by "
+                           f"'{arch}.attention.head_count' {heads}", hint="the file is corrupt")
+    else:
+        head_dim = hidden // heads
+    if heads % kv:
+        raise InvalidModel(f"GGUF metadata '{arch}.attention.head_count' {heads} is not a multiple of "
+                           f"'{arch}.attention.head_count_kv' {kv}", hint="the file is corrupt")
+    if permuted and head_dim % 2:
+        raise InvalidModel(f"GGUF metadata gives an odd head size {head_dim} ('{arch}.embedding_length' / "
+                           f"'{arch}.attention.head_count'); RoPE needs an even one", hint="the file is corrupt")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not 1 <= len(tokens) <= MAX_VOCAB:
+        raise InvalidModel("GGUF metadata 'tokenizer.ggml.tokens' is not a vocabulary of 1.."
+                           f"{MAX_VOCAB} tokens", hint="the file is corrupt or not an LLM")
+    config.update({
+        "rms_norm_eps": meta_float(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": meta_float(meta, f"{arch}.rope.freq_base", 10000.0, positive=True),
+        "vocab_size": len(tokens),
+        "tie_word_embeddings": not has_output,
+        "head_dim": head_dim,
+    })
+
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
 
-    model_type, cls, _ = ARCHS[arch]
-    try:
-        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-        config = {
-            "model_type": model_type, "architectures": [cls],
-            "hidden_size": hidden,
-            "num_hidden_layers": int(get("block_count")),
-            "intermediate_size": int(get("feed_forward_length")),
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(get("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(get("context_length", 4096)),
-            "vocab_size": len(meta["tokenizer.ggml.tokens"]),
-            "tie_word_embeddings": not has_output,
-            "head_dim": int(get("attention.key_length", hidden // heads)),
-        }
-    except (TypeError, KeyError, ValueError, ZeroDivisionError) as e:
-        raise InvalidModel(f"GGUF metadata lacks or garbles {e}", hint="the file is incomplete or not an LLM") from None
     if arch == "qwen2":
         config["attention_bias"] = True
     if arch == "gemma3":
         # as llama.cpp's loader: sliding-window layers use a local RoPE base, every 6th layer is global, and
         # queries are scaled by 1/sqrt(head_dim) except on the 27B (62 layers), where it is hidden/heads
         config.update({
-            "rope_local_base_freq": float(get("rope.freq_base_swa", 10000.0)),
-            "sliding_window": int(get("attention.sliding_window", 512)), "sliding_window_pattern": 6,
+            "rope_local_base_freq": meta_float(meta, f"{arch}.rope.freq_base_swa", 10000.0, positive=True),
+            "sliding_window": meta_int(meta, f"{arch}.attention.sliding_window", 512, 1, 1 << 28),
+            "sliding_window_pattern": 6,
             "query_pre_attn_scalar": hidden / heads if config["num_hidden_layers"] == 62 else config["head_dim"],
         })
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
-        config["rope_scaling"] = {"type": scaling, "rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
+        if not isinstance(scaling, str):
+            raise InvalidModel(f"GGUF metadata '{arch}.rope.scaling.type' is {_short(scaling)}, not a name")
+        factor = meta_float(meta, f"{arch}.rope.scaling.factor", 1.0, positive=True)
+        config["rope_scaling"] = {"type": scaling, "rope_type": scaling, "factor": factor}
         if get("rope.scaling.original_context_length"):
-            config["rope_scaling"]["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+            config["rope_scaling"]["original_max_position_embeddings"] = meta_int(
+                meta, f"{arch}.rope.scaling.original_context_length", lo=1, hi=1 << 28)
     return config
 
 
@@ -95,12 +187,16 @@ _EOG_TEXTS = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn
 def generation_config(meta: dict) -> dict:
     """BOS and the end-of-generation ids: EOS, then EOT/EOM and the end-of-turn tokens llama.cpp detects."""
     gen: dict[str, Any] = {}
-    if meta.get("tokenizer.ggml.bos_token_id") is not None:
-        gen["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
-    eos = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
-           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
-    # llama.cpp also ends generation at these control tokens when the vocabulary has them
     tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type") or []
+    top = max(len(tokens) - 1, 0)
+    if meta.get("tokenizer.ggml.bos_token_id") is not None:
+        gen["bos_token_id"] = meta_int(meta, "tokenizer.ggml.bos_token_id", hi=top)
+    eos = [meta_int(meta, f"tokenizer.ggml.{k}_token_id", hi=top) for k in ("eos", "eot", "eom")
+           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
+    if not isinstance(types, list) or (types and len(types) != len(tokens)):
+        raise InvalidModel("GGUF metadata 'tokenizer.ggml.token_type' does not match 'tokenizer.ggml.tokens' "
+                           "in length", hint="the file is corrupt")
+    # llama.cpp also ends generation at these control tokens when the vocabulary has them
     eos += [i for i, tok in enumerate(tokens) if tok in _EOG_TEXTS and (not types or types[i] in (3, 4))]
     eos = list(dict.fromkeys(eos))
     if eos:
@@ -129,9 +225,9 @@ def header_info(meta: dict, path: Path) -> dict:
     """What the chat header and `models` show: name, size label, file type; from ``general.*``."""
     info: dict[str, Any] = {"source": "gguf", "file": path.name}
     for key in ("name", "basename", "finetune", "size_label", "organization", "license", "quantization_version"):
-        if meta.get(f"general.{key}") is not None:
+        if isinstance(meta.get(f"general.{key}"), (str, int, float)):
             info[key] = meta[f"general.{key}"]
-    if meta.get("general.file_type") is not None:
+    if isinstance(meta.get("general.file_type"), int):
         info["file_type"] = int(meta["general.file_type"])
         info["file_type_name"] = _file_type_name(int(meta["general.file_type"]))
     return info

@@ -149,8 +149,9 @@ def read_gguf(path: Path) -> GgufFile:
     for name, dims, type_id, offset in infos:
         kind, block, block_bytes = _type_info(type_id)
         n = math.prod(dims)
-        if block and n % block:
-            raise InvalidModel(f"{bad}: tensor '{name}' has {n} elements, not whole {kind} blocks of {block}")
+        if block and (n % block or (dims and dims[0] % block)):  # ggml blocks never cross a row
+            raise InvalidModel(f"{bad}: tensor '{name}' rows of {dims[0] if dims else n} elements are not whole "
+                               f"{kind} blocks of {block}")
         nbytes = n // block * block_bytes if block else 0
         if block and data_start + offset + nbytes > cur.size:
             raise InvalidModel(

@@ -9,7 +9,8 @@
   layout and runs with mlx-lm's default (non-traditional) RoPE. Gemma's norms are stored as 1 + w: shifted back.
 - The tokenizer is rebuilt from the metadata (``gguf_tokenizer``); ``general.*`` lands in config.json's
   "mlxinfer" section for the chat header.
-The result is written once per file content (sha256) under the cache directory, atomically.
+The whole file is validated first (``gguf_config``, ``gguf_checks``); the result is written once per file content
+(sha256) under the cache directory, atomically (``fsutil.AtomicDir``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +26,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import InvalidModel
-from .gguf_config import ARCHS, BLOCK_NAMES, NORM_SHIFT, generation_config, header_info, llama3_rope_scaling, llm_config
+from ..fsutil import AtomicDir, atomic_write_text, sweep_stale, write_failure
+from .gguf_config import (ARCHS, NORM_SHIFT, generation_config, header_info, hf_name, llama3_rope_scaling,
+                          llm_config)
+from .gguf_checks import check_layers, check_shapes
 from .gguf_file import GgufTensor, read_gguf
 from .gguf_quants import REPACK_BITS, repack
 from .gguf_tokenizer import check_tokenizer, write_tokenizer
@@ -35,13 +37,6 @@ from .gguf_tokenizer import check_tokenizer, write_tokenizer
 IMPORT_VERSION = 4
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
 _FLOAT = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 # Types the gguf package dequantizes, with the MLX bit width we re-quantize them to (at least their bits/weight).
 # Q6_K (16-weight sub-blocks, which MLX's group sizes cannot hold) goes to 8 bits: on a real Gemma 3 Q4_K_M,
@@ -92,15 +87,7 @@ def _remember_digest(path: Path, digest: str) -> None:
         memo = {}
     if memo.get(_memo_key(path)) != digest:
         memo[_memo_key(path)] = digest
-        _atomic_write_text(_digest_memo(), json.dumps(memo))
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+        atomic_write_text(_digest_memo(), json.dumps(memo))
 
 
 def imported_dir(path: Path) -> Path:
@@ -109,16 +96,6 @@ def imported_dir(path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- tensor mapping
-def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    base, _, suffix = gguf_name.rpartition(".")
-    if base.startswith("blk."):
-        _, layer, part = (base.split(".", 2) + ["", ""])[:3]
-        mapped = (BLOCK_NAMES.get(arch, {}).get(part) or _BLOCK_NAMES.get(part)) if layer.isdigit() else None
-        return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
-    mapped = _GLOBAL_NAMES.get(base)
-    return f"{mapped}.{suffix}" if mapped else None
-
-
 def _unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
     """Row index that undoes llama.cpp's Q/K permutation: W_hf = W_gguf[idx]."""
     head_dim = n_rows // n_heads
@@ -188,13 +165,17 @@ def _write_safetensors(path: Path, plan: list[tuple[str, str, list[int]]], chunk
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
-        for (name, _, _), arr in zip(plan, chunks):
-            data = np.ascontiguousarray(arr)
-            if data.nbytes != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
-                raise InvalidModel(f"{path.name}: tensor '{name}' has {data.nbytes} bytes, not the expected size")
-            f.write(memoryview(data).cast("B"))
+    try:
+        with open(path, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for (name, _, _), arr in zip(plan, chunks):
+                data = np.ascontiguousarray(arr)
+                if data.nbytes != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                    raise InvalidModel(f"{path.name}: tensor '{name}' has {data.nbytes} bytes, not the expected size")
+                f.write(memoryview(data).cast("B"))
+    finally:
+        if hasattr(chunks, "close"):  # stop the decoding threads now, not when the traceback is freed
+            chunks.close()
 
 
 def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) -> Path:
@@ -213,29 +194,44 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
                                hint="re-export the model as Q8_0, Q4_0, Q4_K or F16")
     check_tokenizer(g.meta)  # before the slow part
     names = {t.name for t in g.tensors}
-    config = llm_config(g.meta, arch, has_output="output.weight" in names)
+    try:  # metadata messages name the key; say which file too
+        config = llm_config(g.meta, arch, has_output="output.weight" in names)
+        gen = generation_config(g.meta)
+    except InvalidModel as e:
+        raise InvalidModel(f"{path.name}: {e.args[0]}", hint=e.hint) from None
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    check_layers(path, arch, g.tensors, config["num_hidden_layers"])
 
-    jobs = []  # (tensor, prefix, suffix, row permutation or None, norm shift)
+    present: dict[str, tuple[str, list[int]]] = {}
     for t in g.tensors:
-        hf = _hf_name(t.name, arch)
+        hf = hf_name(t.name, arch)
         if hf is None:
             if t.name == "rope_freqs.weight" and t.kind == "F32":
+                if t.shape != [config["head_dim"] // 2]:
+                    raise InvalidModel(f"{path.name}: tensor 'rope_freqs.weight' is {t.shape}, not "
+                                       f"[{config['head_dim'] // 2}] (half the head size)", hint="the file is corrupt")
                 # mlx-lm recomputes these factors from config.json's rope_scaling
                 config["rope_scaling"] = llama3_rope_scaling(
                     t.data.view(np.float32), config["rope_theta"], config["head_dim"])
                 continue
             raise InvalidModel(f"{path.name}: unknown tensor '{t.name}' for architecture '{arch}'")
+        if hf in present:
+            raise InvalidModel(f"{path.name}: tensor '{t.name}' appears twice", hint="the file is corrupt")
+        present[hf] = (t.name, t.shape)
+    check_shapes(path, arch, config, present)  # every tensor against the metadata, before any byte is written
+
+    jobs = []  # (tensor, prefix, suffix, row permutation or None, norm shift)
+    for t in g.tensors:
+        hf = hf_name(t.name, arch)
+        if hf is None:
+            continue
         prefix, suffix = hf.rsplit(".", 1)
         if suffix != "weight" and t.kind not in _FLOAT:
             raise InvalidModel(f"{path.name}: '{t.name}' is stored as {t.kind}; biases must be float")
         perm = None
         if ARCHS[arch][2] and prefix.endswith(("q_proj", "k_proj")):
             rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else t.shape[0]
-            try:
-                perm = _unpermute_rows(rows, n_heads if prefix.endswith("q_proj") else n_kv)
-            except ValueError as e:
-                raise InvalidModel(f"{path.name}: tensor '{t.name}' does not fit {n_heads} heads ({e})") from None
+            perm = _unpermute_rows(rows, n_heads if prefix.endswith("q_proj") else n_kv)
         shift = NORM_SHIFT.get(arch, 0.0) if hf.endswith("norm.weight") else 0.0
         jobs.append((t, prefix, suffix, perm, shift))
 
@@ -270,43 +266,35 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
                         progress("import", start + k + 1, len(jobs))
                     yield from arrays
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
-        tok_meta = {k: v for k, v in g.meta.items() if k.startswith("tokenizer.")}
-        write_tokenizer(tok_meta, tmp, context_length=config["max_position_embeddings"])
-        gen = generation_config(g.meta)
-        config.update(gen)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        _write_safetensors(tmp / "model.safetensors", [e for plan, _ in plans for e in plan], chunks())
+    tok_meta = {k: v for k, v in g.meta.items() if k.startswith("tokenizer.")}
+    config.update(gen)
+    with AtomicDir(out_dir) as staging:  # removed on any error, Ctrl-C or SIGTERM/SIGHUP (Terminated)
+        tmp = staging.path
+        try:
+            write_tokenizer(tok_meta, tmp, context_length=config["max_position_embeddings"])
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+            _write_safetensors(tmp / "model.safetensors", [e for plan, _ in plans for e in plan], chunks())
+        except (OSError, RuntimeError) as e:  # judged while the temp dir still fills the disk
+            failure = write_failure(e, out_dir.parent, f"the import of {path.name}")
+            if failure is None:
+                raise
+            raise failure from None
         if progress:
             progress("write", 0, 1)
-        _publish(tmp, out_dir)
+        staging.publish(replace=True)
         if progress:
             progress("write", 1, 1)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
-def _publish(tmp: Path, out_dir: Path) -> None:
-    """Move the finished ``tmp`` into place; an existing ``out_dir`` is replaced, never left half-written."""
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
-
-
 def import_gguf(path: Path, progress: Progress | None = None) -> Path:
-    """The cached MLX directory for a GGUF file, converting it on first use."""
+    """The cached MLX directory for a GGUF file, converting it on first use. A failed import leaves nothing in the
+    cache; what killed imports left (their process gone) is swept here."""
     path = Path(path)
     if not path.is_file():
         raise InvalidModel(f"{path}: no such GGUF file", hint="check the path")
+    sweep_stale(cache_root() / "gguf")
     if progress:
         progress("hash", 0, 1)
     digest = file_digest(path)
@@ -314,13 +302,6 @@ def import_gguf(path: Path, progress: Progress | None = None) -> Path:
         progress("hash", 1, 1)
     target = cache_root() / "gguf" / f"{digest[:24]}-v{IMPORT_VERSION}"
     if not ((target / "config.json").exists() and (target / "model.safetensors").exists()):
-        try:
-            convert_gguf(path, target, progress)
-        except BaseException:
-            try:
-                target.parent.rmdir()  # only if empty: a failed first import leaves no trace
-            except OSError:
-                pass
-            raise
+        convert_gguf(path, target, progress)
     _remember_digest(path, digest)  # only now: a failed import leaves nothing in the cache
     return target

@@ -37,17 +37,23 @@ def test_failure_mid_write_leaves_nothing(llama_src, tmp_path, exc):
 def test_existing_output_is_never_touched_without_force(llama_src, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    (out / "README.md").write_text("mine")  # a model card: what --force may replace
     with pytest.raises(OutputExists, match="--force"):
         convert(str(llama_src), out, ConvertOptions(bits=4, eval=False))
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert [p.name for p in out.iterdir()] == ["README.md"]
     # a failing --force run leaves the old directory as it was
     with pytest.raises(RuntimeError):
         convert(str(llama_src), out, ConvertOptions(bits=4, eval=False, force=True),
                 after_tensor=lambda name: (_ for _ in ()).throw(RuntimeError("injected")))
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert [p.name for p in out.iterdir()] == ["README.md"]
     r = convert(str(llama_src), out, ConvertOptions(bits=4, eval=False, force=True))
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists() and r.out_dir == out
+    assert (out / "README.md").read_text() != "mine" and (out / "config.json").exists() and r.out_dir == out
+    # a file that is not part of a model: --force refuses and names it, nothing is touched
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExists, match=r"1 entry that is not a model file \(keep.txt\)"):
+        convert(str(llama_src), out, ConvertOptions(bits=8, eval=False, force=True))
+    assert (out / "keep.txt").read_text() == "mine" and (out / "config.json").exists()
+    (out / "keep.txt").unlink()
     # not even with --force may the output be the source itself
     with pytest.raises(OutputExists, match="the source itself"):
         convert(str(out), out, ConvertOptions(dequantize=True, force=True))
