@@ -133,7 +133,8 @@ class Session:
         messages: list[dict] | None = None,
     ):
         self.loaded = loaded
-        self.params = _settings.check_for_model(params or SamplingParams(), loaded)
+        self.params = (_settings.check_for_model(params, loaded) if params is not None
+                       else _settings.resolve(loaded=loaded))  # defaults sized to the model's context
         self.system = system or None
         self._context: int | None = None
         if context is not None:

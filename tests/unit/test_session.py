@@ -422,3 +422,14 @@ def test_session_lock_is_exclusive_and_released(tmp_path, monkeypatch):
     store.lock_path("s").write_text("999999999\n")  # a stale file from a dead process does not block
     store.save("s", data)
     store.SessionLock.acquire("s").release()
+
+
+def test_default_settings_fit_a_short_context_model(tiny):
+    """A model with a context below the built-in max_tokens default (512) still gets a session without flags."""
+    import dataclasses
+
+    from mlxinfer.engine.session import Session
+
+    short = dataclasses.replace(tiny, config={"max_position_embeddings": 256})
+    s = Session(short)
+    assert s.params.max_tokens == 256 and s.context_limit == 256
