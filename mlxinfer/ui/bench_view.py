@@ -10,7 +10,7 @@ class BenchProgress:
 
     def __enter__(self):
         from ..engine.loader import load
-        from .progress import stderr_console
+        from .progress import stderr_console, warn_native_kernels
 
         console = stderr_console()
         self.bar = None
@@ -38,7 +38,9 @@ class BenchProgress:
 
         def load_model(spec, kernels):
             try:
-                return load(spec, kernels=kernels, progress=load_progress)
+                loaded = load(spec, kernels=kernels, progress=load_progress)
+                warn_native_kernels(loaded, kernels, console)
+                return loaded
             finally:
                 for stage in [k for k in tasks if k != "bench"]:
                     if self.bar is not None:

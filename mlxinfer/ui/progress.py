@@ -50,7 +50,27 @@ def load_model(model: str | None, *, kernels: str = "auto", registry=None, conso
     from ..engine.loader import load
 
     with load_progress(console) as progress:
-        return load(model, kernels=kernels, progress=progress, registry=registry)
+        loaded = load(model, kernels=kernels, progress=progress, registry=registry)
+    warn_native_kernels(loaded, kernels, console)
+    return loaded
+
+
+_WARNED: set[str] = set()
+
+
+def warn_native_kernels(loaded, kernels: str = "auto", console: Console | None = None) -> None:
+    """One line (once per process) when the CPU native kernels are off although nobody asked for that, e.g. a build
+    for another MLX version: decode then runs several times slower, which must not go unnoticed."""
+    from ..kernels.patch import resolve_mode
+
+    if loaded.backend != "cpu" or loaded.kernels != "builtin" or resolve_mode(kernels) == "builtin":
+        return
+    from ..native import problem
+
+    line = problem()
+    if line and line not in _WARNED:
+        _WARNED.add(line)
+        (console or stderr_console()).print(f"warning: {line}", style="yellow", markup=False, soft_wrap=True)
 
 
 def is_interactive() -> bool:
