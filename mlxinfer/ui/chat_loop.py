@@ -43,16 +43,23 @@ def _cancel_on_sigint(turn: Turn):
 
 @contextmanager
 def _termination_held():
-    """SIGTERM/SIGHUP wait while a session file is written; they are delivered (and end the chat) right after."""
+    """SIGTERM/SIGHUP wait while a session file is written, then arrive as usual (and end the chat). Python
+    handlers, not a signal mask: with MLX's threads running, a masked main thread would not keep the signal
+    from being noted and handled in the middle of the write."""
+    pending: list[int] = []
+    sigs = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
     try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP})
-    except (AttributeError, ValueError, OSError):  # no pthread_sigmask (Windows)
+        old = {sig: signal.signal(sig, lambda signum, _frame: pending.append(signum)) for sig in sigs}
+    except ValueError:  # not the main thread: handlers cannot change here
         yield
         return
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in old.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if pending:
+            signal.raise_signal(pending[0])
 
 
 def failure_line(e: BaseException) -> str:

@@ -144,3 +144,29 @@ def test_completion_of_commands_and_arguments():
     assert texts("/set t") == ["temp", "top_p"]
     assert texts("/save n") == ["notes"]
     assert texts("hello") == [] and texts("/set temp 0") == []
+
+
+def test_a_save_is_not_cut_by_sigterm():
+    """SIGTERM during a session write waits for the write, then ends the chat as it would have (Terminated)."""
+    import os
+    import signal
+
+    from mlxinfer.errors import Terminated
+    from mlxinfer.ui.chat_loop import _termination_held
+
+    def raise_terminated(signum, _frame):
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    steps = []
+    try:
+        with pytest.raises(Terminated) as e:
+            with _termination_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # bytecodes run: an unheld signal would be handled here
+                    pass
+                steps.append("written")
+        assert steps == ["written"] and e.value.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is raise_terminated
+    finally:
+        signal.signal(signal.SIGTERM, previous)
