@@ -116,6 +116,9 @@ class ChatApp:
         except MlxinferError as e:
             self.view.error(str(e))
             return None
+        except Exception as e:  # noqa: BLE001 - e.g. the template failing: the messages are as they were
+            self.view.error(f"generation failed: {failure_line(e)}")
+            return None
         s = self.session
         if turn.dropped:
             self.view.notice(f"context full: dropped the {turn.dropped} oldest messages to stay within "
