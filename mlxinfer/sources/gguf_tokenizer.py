@@ -139,8 +139,11 @@ def _bpe_tokenizer_json(meta: dict[str, Any], add_bos: bool, add_eos: bool) -> d
         "model": {
             "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
-            "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": [pair for m in meta.get("tokenizer.ggml.merges") or [] if (pair := _split_merge(m))],
+            "vocab": (vocab := {tok: i for i, tok in enumerate(tokens)}),
+            # as llama.cpp: a merge whose pieces or result are not in the vocabulary never applies (tokenizers
+            # would refuse to load the whole file for it)
+            "merges": [pair for m in meta.get("tokenizer.ggml.merges") or [] if (pair := _split_merge(m))
+                       and pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab],
         },
     }
 
@@ -207,6 +210,11 @@ def check_tokenizer(meta: dict[str, Any]) -> None:
                            hint="mlxinfer imports byte-level BPE ('gpt2') and SentencePiece ('llama') vocabularies")
     if not meta.get("tokenizer.ggml.tokens"):
         raise InvalidModel("the GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    for key, kinds in (("tokens", str), ("merges", str), ("token_type", int), ("scores", (int, float))):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, kinds) for v in value)):
+            raise InvalidModel(f"GGUF metadata 'tokenizer.ggml.{key}' is not a list of "
+                               f"{'strings' if kinds is str else 'numbers'}", hint="the file is corrupt")
     if model == "gpt2":
         _pre_kind(meta.get("tokenizer.ggml.pre"))
 
