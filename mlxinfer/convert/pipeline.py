@@ -205,6 +205,8 @@ def convert(
     opts = opts or ConvertOptions()
     started = time.perf_counter()
     out = check_output_path(out_dir)  # empty, cwd, home, /, below a file, /proc, read-only: before any work
+    if Path(source).expanduser().exists():  # a local source: say so before "already exists" (again once resolved)
+        check_not_source(out, Path(source).expanduser())
     check_replaceable(out, opts.force)
     recipe = plan_recipe(opts)
     if opts.dtype and opts.dtype not in DTYPES:
