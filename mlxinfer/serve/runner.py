@@ -60,6 +60,7 @@ def serve(loaded, opts: ServeOptions, *, host: str, port: int, grace: float, log
                 # A drained shutdown is the clean end of a server, not a signal to re-raise.
                 self._captured_signals.clear()
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            access_log=log_level in ("info", "debug", "trace"),
                             timeout_graceful_shutdown=grace)
     Server(config).run()

@@ -1,0 +1,100 @@
+"""The server's parts without a server: the prefix cache's matching and memory bound, request validation rules."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlxinfer.serve import schemas as s
+from mlxinfer.serve.prefix_cache import PrefixCache
+
+
+def _cache(n: int, layers: int = 2, fill: float = 1.0) -> list:
+    out = []
+    for i in range(layers):
+        c = KVCache()
+        c.keys = mx.full((1, 2, n, 4), fill + i, dtype=mx.float16)
+        c.values = mx.full((1, 2, n, 4), -fill - i, dtype=mx.float16)
+        c.offset = n
+        out.append(c)
+    return out
+
+
+def test_lookup_takes_the_longest_prefix_and_leaves_a_token_to_feed():
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(10)), _cache(10, fill=1))
+    pc.store([0, 1, 2, 3, 4, 50, 51, 52], _cache(8, fill=2))
+    n, caches = pc.lookup(list(range(20)))
+    assert n == 10 and caches[0].offset == 10 and caches[0].keys.shape[2] == 10
+    assert caches[1].keys[0, 0, 0, 0].item() == 2  # layer 1 of the first entry (fill 1 + layer index)
+    n, _ = pc.lookup(list(range(10)))  # the whole prompt is cached: one token is still fed to the model
+    assert n == 9
+    n, caches = pc.lookup([0, 1, 2, 3, 4, 50, 51, 52, 53])
+    assert n == 8 and caches[0].keys[0, 0, 0, 0].item() == 2
+    assert pc.lookup([7, 7, 7, 7, 7, 7]) == (0, None)
+    assert (pc.lookups, pc.hits, pc.reused_tokens) == (4, 3, 27)
+
+
+def test_a_hit_is_not_changed_by_the_request_that_reuses_it():
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(8)), _cache(8))
+    _, caches = pc.lookup(list(range(12)))
+    caches[0].update_and_fetch(mx.zeros((1, 2, 4, 4), mx.float16), mx.zeros((1, 2, 4, 4), mx.float16))
+    _, again = pc.lookup(list(range(12)))
+    assert again[0].offset == 8 and again[0].keys[0, 0, 7, 0].item() == 1
+
+
+def test_memory_bound_evicts_least_recently_used_and_covered_prefixes():
+    one = sum(c.keys.nbytes + c.values.nbytes for c in _cache(10))
+    pc = PrefixCache(2 * one + 10)
+    pc.store(list(range(10)), _cache(10))
+    pc.store(list(range(100, 110)), _cache(10))
+    pc.lookup(list(range(11)))  # touch the first: the second becomes the oldest
+    pc.store(list(range(200, 210)), _cache(10))
+    assert len(pc) == 2 and pc.nbytes <= pc.max_bytes
+    assert pc.lookup(list(range(100, 111)))[0] == 0
+    assert pc.lookup(list(range(11)))[0] == 10
+    pc.store(list(range(15)), _cache(15))  # covers range(10): that entry goes, and the oldest for room
+    assert len(pc) == 1 and pc.lookup(list(range(11)))[0] == 10 and pc.lookup(list(range(15, 0, -1)))[0] == 0
+    assert pc.lookup(list(range(200, 211)))[0] == 0
+    assert PrefixCache(0).lookup([1, 2, 3, 4, 5]) == (0, None)
+
+
+def test_max_tokens_rules():
+    assert s.max_tokens({}, "chat", 10, 100, 512) == 90          # the default is capped by the room left
+    assert s.max_tokens({}, "chat", 10, 100, 20) == 20
+    assert s.max_tokens({"max_completion_tokens": 5, "max_tokens": 50}, "chat", 10, 100, 20) == 5
+    with pytest.raises(s.ApiError) as e:
+        s.max_tokens({"max_tokens": 91}, "chat", 10, 100, 20)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    with pytest.raises(s.ApiError):
+        s.max_tokens({}, "completion", 100, 100, 20)
+    with pytest.raises(s.ApiError):
+        s.max_tokens({"max_tokens": True}, "chat", 1, 100, 20)
+
+
+@pytest.mark.parametrize("data, param", [
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": ""}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+])
+def test_field_rules(data, param):
+    with pytest.raises(s.ApiError) as e:
+        s.chat_messages(data)
+        s.logprobs_setting(data, "chat")
+        s.stream_settings(data)
+        s._stop(data)
+        s.sampling_values(data)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_text_parts_and_developer_role_are_accepted():
+    msgs = s.chat_messages({"messages": [{"role": "developer", "content": "Be brief."},
+                                         {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                      {"type": "text", "text": "b"}]},
+                                         {"role": "assistant", "content": None}]})
+    assert msgs == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
+                    {"role": "assistant", "content": ""}]
