@@ -86,6 +86,7 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
 def _block_config(block, attention: str):
     """(The provider's fixed arguments for this block, head_dim, paths of the extra weights), or False when its
     parts are not all the op's kind."""
+    from mlxinfer.kernels.eligibility import MLP_SWIGLU, has_role
     from mlxinfer.kernels.fused_llama import plain_rope, rope_kwargs
 
     provider = block._kernel_provider
@@ -103,7 +104,7 @@ def _block_config(block, attention: str):
             or any(with_bias[3:]) or with_bias[:3] not in ([False] * 3, [True] * 3)
             or not all(isinstance(n, nn.RMSNorm) for n in norms)
             or not all(hasattr(attn, a) for a in ("n_heads", "n_kv_heads", "scale"))
-            or not plain_rope(getattr(attn, "rope", None)) or not callable(mlp)):
+            or not plain_rope(getattr(attn, "rope", None)) or not has_role(mlp, MLP_SWIGLU)):
         return False
     extras = _QKV_BIASES if with_bias[0] else ()
     qk_eps = 0.0

@@ -9,14 +9,12 @@
   ``decoder_block`` op when the provider has it (``fused_block``), else the fused attention and MLP with the
   skip connections as o_proj/down_proj residuals and the RMSNorms folded into the next op, else the original code.
 
-Source checks compare code without blank and comment lines (mlx-lm's copies of llama's code differ in those), so
-another architecture's different code is never run through these paths.
+Which mlx-lm classes these paths take is decided by class identity in ``kernels.eligibility``'s table (never by
+source text), and ``kernels.selfcheck`` runs each fused configuration once against the module's own code.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
 from typing import Callable, Tuple
 
@@ -25,29 +23,16 @@ import mlx.nn as nn
 
 from mlxinfer.kernels import fused_block
 from mlxinfer.kernels.patch import (
-    _FUSED_CLASSES, KernelRMSNorm, KernelRoPE, _code_lines, _fused_subclass, _linear_add, _norm_kwargs,
-    _plain_quantized, _swap_fused, _unfused_source,
+    _FUSED_CLASSES, KernelRMSNorm, KernelRoPE, _fused_subclass, _linear_add, _norm_kwargs, _plain_quantized,
+    _swap_fused,
 )
+from mlxinfer.kernels.eligibility import ATTENTION_LLAMA, ATTENTION_QWEN3, BLOCK_PRENORM, has_role, role_of
 from mlxinfer.kernels.provider import KernelProvider
 
 
-# Attention modules whose ``__call__`` is exactly mlx-lm llama's (q/k/v projections, head split, RoPE at
-# cache.offset, cache update, attention, o_proj): on the CPU the input side is 11 small MLX ops per layer and
-# token, so it becomes one ``provider.qkv_rope`` op; the cache update, attention and o_proj stay as they are.
-@functools.lru_cache(maxsize=None)  # asked once per module of every model loaded
-def _llama_attention_source() -> str:
-    from mlx_lm.models import llama
-
-    return _code_lines(inspect.getsource(llama.Attention.__call__))
-
-
-@functools.lru_cache(maxsize=None)
-def _qwen3_attention_source() -> str:
-    from mlx_lm.models import qwen3
-
-    return _code_lines(inspect.getsource(qwen3.Attention.__call__))
-
-
+# Attention modules with llama's attention code (eligibility.ATTENTION_LLAMA): on the CPU the input side is 11
+# small MLX ops per layer and token, so it becomes one ``provider.qkv_rope`` op; the cache update, attention and
+# o_proj stay as they are.
 def _attention_call(base: type) -> Callable:
     def __call__(self, x, mask=None, cache=None, residual=None, norm=None):
         offset = 0 if cache is None else cache.offset
@@ -124,7 +109,7 @@ def is_plain_attention(m: nn.Module) -> bool:
         plain_rope(getattr(m, "rope", None))
         and all(hasattr(m, a) for a in ("n_heads", "n_kv_heads", "scale"))
         and _plain_quantized([getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj")])
-        and _unfused_source(m) == _llama_attention_source()
+        and has_role(m, ATTENTION_LLAMA)
     )
 
 
@@ -132,16 +117,9 @@ def swap_attention_inputs(model: nn.Module, provider: KernelProvider) -> int:
     return _swap_fused(model, provider, "qkv_rope", "attention", is_plain_attention, _attention_call)
 
 
-# Decoder blocks whose ``__call__`` is exactly mlx-lm llama's (x + attn(norm(x)), then h + mlp(norm(h))) and whose
-# attention and MLP are the fused ones above: the skip connections go into o_proj and down_proj as a residual
-# input and the RMSNorms into qkv_rope and swiglu (four MLX ops per layer and token fewer).
-@functools.lru_cache(maxsize=None)
-def _llama_block_source() -> str:
-    from mlx_lm.models import llama
-
-    return _code_lines(inspect.getsource(llama.TransformerBlock.__call__))
-
-
+# Decoder blocks with llama's pre-norm block code (eligibility.BLOCK_PRENORM) whose attention and MLP are the
+# fused ones above: the skip connections go into o_proj and down_proj as a residual input and the RMSNorms into
+# qkv_rope and swiglu (four MLX ops per layer and token fewer).
 def _block_call(base: type) -> Callable:
     def __call__(self, x, mask=None, cache=None):
         # The whole layer as one op when the provider has one (fused_block.py), else: the norms run inside the
@@ -165,15 +143,15 @@ def _fused_parts(m: nn.Module) -> bool:
 
 
 def swap_blocks(model: nn.Module, provider: KernelProvider) -> Tuple[int, int]:
-    """Blocks with llama's block code: (swapped, of which run as one ``decoder_block`` op)."""
+    """Pre-norm blocks (eligibility table): (swapped, of which run as one ``decoder_block`` op)."""
     swapped = native = 0
     for _, m in model.named_modules():
         if not (all(type(getattr(m, n, None)) in (nn.RMSNorm, KernelRMSNorm)
                     for n in ("input_layernorm", "post_attention_layernorm"))
-                and _unfused_source(m) == _llama_block_source()):
+                and has_role(m, BLOCK_PRENORM)):
             continue
-        source = _unfused_source(getattr(m, "self_attn", None))
-        attention = {_llama_attention_source(): "llama", _qwen3_attention_source(): "qwen3"}.get(source)
+        attention = {ATTENTION_LLAMA: "llama", ATTENTION_QWEN3: "qwen3"}.get(
+            role_of(type(getattr(m, "self_attn", None))))
         m._kernel_provider = provider
         one_op = attention is not None and getattr(provider, "decoder_block", None) is not None and \
             fused_block.prepare(m, attention)

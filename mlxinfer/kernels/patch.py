@@ -21,7 +21,6 @@ The attention swap is per mlx-lm *module* (e.g. all llama models in the process)
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -31,12 +30,11 @@ import mlx.nn as nn
 
 from mlxinfer.engine.backend import backend
 from mlxinfer.errors import InvalidParameter, MlxinferError
-from mlxinfer.kernels import fused_block
+from mlxinfer.kernels import eligibility, fused_block
 from mlxinfer.kernels.provider import KernelProvider
 
 ENV_VAR = "MLXINFER_KERNELS"
 MODES = ("auto", "custom", "builtin")
-_SWIGLU_CALL = "self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))"
 
 # mlx-lm module name -> its original scaled_dot_product_attention, so "builtin" can restore it.
 _ORIGINAL_SDPA: dict = {}
@@ -91,21 +89,45 @@ def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
             )
         restore_builtin(model)
         return KernelReport("builtin", f"MLX built-in kernels ({why})")
-    n_linear = _swap_linears(model, provider)
-    n_mlp = _swap_mlps(model, provider)
-    routed = _swap_small_ops(model, provider)
-    from mlxinfer.kernels import fused_llama  # it builds on this module's classes
+    _swap_linears(model, provider)
+    _swap_mlps(model, provider)
+    _swap_small_ops(model, provider)
+    from mlxinfer.kernels import fused_llama, selfcheck  # they build on this module's classes
 
-    routed["fused q/k/v+RoPE attention inputs"] = fused_llama.swap_attention_inputs(model, provider)
-    routed["blocks with fused skip connections"], routed["decoder layers as one op"] = fused_llama.swap_blocks(
-        model, provider)
+    fused_llama.swap_attention_inputs(model, provider)
+    fused_llama.swap_blocks(model, provider)
     modules = _swap_attention(model, provider)
-    extra = "".join(f", {n} {what}" for what, n in routed.items() if n)
-    detail = (
-        f"{provider.name} on {where}: {n_linear} quantized linear layers, {n_mlp} fused SwiGLU MLPs{extra}, "
-        f"attention in {', '.join(modules) or 'no modules'}"
-    )
+    findings = selfcheck.check_model(model)
+    if findings and mode == "custom":
+        restore_builtin(model)
+        raise MlxinferError(findings[0].line(), hint="use --kernels auto (it falls back) or --kernels builtin")
+    why_not = [f.line() for f in findings]
+    validated = eligibility.mlx_lm_validated()
+    if validated is not None:
+        why_not.append(f"fused layers off: {validated}")
+    detail = (f"{provider.name} on {where}: {describe(model)}, attention in {', '.join(modules) or 'no modules'}"
+              + "".join(f"; {line}" for line in why_not))
     return KernelReport(provider.name, detail)
+
+
+def describe(model: nn.Module) -> str:
+    """What runs in ``model`` now, counted from its modules' classes (after the self-check turned off what failed)."""
+    counts = {"quantized linear layers": 0, "fused SwiGLU MLPs": 0}
+    labels = {KernelQuantizedLinear: "quantized linear layers", **{cls: label for cls, _, label in _SMALL_OPS}}
+    kinds = {"swiglu": "fused SwiGLU MLPs", "attention": "fused q/k/v+RoPE attention inputs",
+             "block": "blocks with fused skip connections"}
+    for _, m in model.named_modules():
+        cls = type(m)
+        label = labels.get(cls)
+        base = getattr(cls, "_fused_base", None)
+        if base is not None:
+            label = next((kinds[k] for (k, b), c in _FUSED_CLASSES.items() if c is cls), None)
+            if m.__dict__.get(fused_block.CONFIG_ATTR):
+                counts["decoder layers as one op"] = counts.get("decoder layers as one op", 0) + 1
+        if label:
+            counts[label] = counts.get(label, 0) + 1
+    first = [f"{counts.pop(k)} {k}" for k in ("quantized linear layers", "fused SwiGLU MLPs")]
+    return ", ".join(first + [f"{n} {what}" for what, n in counts.items() if n])
 
 
 def restore_builtin(model: nn.Module) -> None:
@@ -201,19 +223,6 @@ def _swap_fused(model: nn.Module, provider: KernelProvider, method: str, kind: s
     return count
 
 
-def _unfused_source(m: nn.Module) -> str:
-    cls = getattr(type(m), "_fused_base", None) or type(m)
-    try:
-        return _code_lines(inspect.getsource(cls.__call__))
-    except (OSError, TypeError):
-        return ""
-
-
-def _code_lines(source: str) -> str:
-    """A method's source without blank and comment lines (mlx-lm's copies of llama's code differ in those)."""
-    return "\n".join(line.rstrip() for line in source.splitlines() if line.strip() and not line.strip().startswith("#"))
-
-
 def _plain_quantized(layers: list) -> bool:
     """Bias-free affine QuantizedLinears sharing group size and bits (what the fused kernels take)."""
     return (
@@ -244,7 +253,7 @@ def _swiglu_call(base: type) -> Callable:
 
 
 def _is_plain_swiglu_mlp(m: nn.Module) -> bool:
-    return _SWIGLU_CALL in _unfused_source(m) and _plain_quantized(
+    return eligibility.has_role(m, eligibility.MLP_SWIGLU) and _plain_quantized(
         [getattr(m, name, None) for name in ("gate_proj", "up_proj")]
     )
 

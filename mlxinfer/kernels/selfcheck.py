@@ -1,0 +1,190 @@
+"""Load-time self-check: every distinct fused configuration runs once against the module's own code.
+
+The eligibility table (``kernels.eligibility``) says which mlx-lm classes a fused path may take, by identity; it
+cannot see a method that changed under the same class (an upstream edit, a monkeypatch, a subclass' data). So
+before first use, one module of each configuration runs a short prefill and one decode step on random input
+twice: through the fused path, and through the class' original ``__call__`` with every kernel under it undone
+(MLX's own layers and attention). A disagreement turns that configuration's fused path off (then, if the
+per-op kernels alone still disagree, those too) and is reported in one line; ``--kernels custom`` fails instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+# Relative to the reference output's largest magnitude. The fused paths differ from MLX's by rounding only
+# (activations rounded to int16 per group in the VNNI matvec, a float16 KV cache): measured ≤ 3e-3 on the tiny
+# and real models; a changed formula (scaled queries, another activation, a bias) gives 1e-1 and more.
+TOLERANCE = 2e-2
+PREFILL, SEED = 5, 1234
+
+
+@dataclass(frozen=True)
+class Finding:
+    where: str    # the first module of the configuration, e.g. "model.layers.0"
+    count: int    # modules sharing the configuration
+    error: float  # relative max difference of the fused path
+    kept: str     # what runs now: "per-op kernels" or "MLX built-ins"
+
+    def line(self) -> str:
+        return (f"self-check: the fused path of {self.where} (+{self.count - 1} alike) disagreed with mlx-lm's own "
+                f"code (max rel. error {self.error:.2g} > {TOLERANCE:g}); {self.count} modules use {self.kept}")
+
+
+def check_model(model: nn.Module) -> list[Finding]:
+    """Check each fused configuration of ``model`` (after ``apply_kernels``); undo the failing ones."""
+    findings = []
+    for where, members in _groups(model).items():
+        first = members[0]
+        error = _error(first)
+        if error <= TOLERANCE:
+            continue
+        for m in members:  # the fused layers off, the per-op kernels under them kept
+            _unfuse(m, keep_per_op=True)
+        kept = "per-op kernels"
+        if _error(first) > TOLERANCE:
+            for m in members:
+                _unfuse(m, keep_per_op=False)
+            kept = "MLX built-ins"
+        findings.append(Finding(where, len(members), error, kept))
+    return findings
+
+
+def _is_fused(m: nn.Module) -> bool:
+    return getattr(type(m), "_fused_base", None) is not None
+
+
+def _groups(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """Top-level fused modules (not inside another fused one) grouped by configuration, keyed by the first's path."""
+    fused = [(name, m) for name, m in sorted(model.named_modules(), key=lambda nm: _natural(nm[0])) if _is_fused(m)]
+    inside = {id(sub) for _, m in fused for path, sub in m.named_modules() if path}
+    groups: dict[tuple, list] = {}
+    names: dict[tuple, str] = {}
+    for name, m in fused:
+        if id(m) in inside:
+            continue
+        key = _signature(m)
+        groups.setdefault(key, []).append(m)
+        names.setdefault(key, name or "model")
+    return {names[k]: v for k, v in groups.items()}
+
+
+def _natural(path: str) -> tuple:
+    """"layers.10" after "layers.9"."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
+
+
+def _signature(m: nn.Module) -> tuple:
+    """What makes two modules compute alike: classes, scalar settings and parameter shapes of the whole subtree."""
+    parts = []
+    for path, sub in m.named_modules():
+        scalars = tuple(sorted((k, v) for k, v in vars(sub).items()
+                               if isinstance(v, (int, float, bool, str)) and not k.startswith("_")))
+        parts.append((path, type(sub), scalars))
+    shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in tree_flatten(m.parameters()))
+    return tuple(parts), shapes
+
+
+def _inputs(m: nn.Module) -> Optional[tuple[mx.array, mx.array]]:
+    """A prefill and one decode step of random hidden states shaped for ``m`` (drawn from their own key, so the
+    global random state that sampling uses is untouched)."""
+    width = _input_width(m)
+    if width is None:
+        return None
+    k1, k2 = mx.random.split(mx.random.key(SEED))
+    return mx.random.normal((1, PREFILL, width), key=k1), mx.random.normal((1, 1, width), key=k2)
+
+
+def _input_width(m: nn.Module) -> Optional[int]:
+    for name in ("q_proj", "gate_proj", "self_attn"):
+        sub = getattr(m, name, None)
+        if isinstance(sub, nn.Module):
+            return _input_width(sub) if name == "self_attn" else _in_features(sub)
+    return None
+
+
+def _in_features(linear: nn.Module) -> Optional[int]:
+    if isinstance(linear, nn.QuantizedLinear):
+        return linear["weight"].shape[1] * 32 // linear.bits
+    if isinstance(linear, nn.Linear):
+        return linear["weight"].shape[1]
+    return None
+
+
+def _run(m: nn.Module, call, xs) -> list[mx.array]:
+    """``call`` over a prefill and a decode step, with a fresh KV cache where the module takes one."""
+    from mlx_lm.models.cache import KVCache
+
+    if getattr(type(m), "_fused_base", type(m)).__call__.__code__.co_argcount <= 2:  # an MLP: (self, x)
+        outs = [call(x) for x in xs]
+    else:
+        cache = KVCache()
+        outs = [call(xs[0], "causal", cache), call(xs[1], None, cache)]
+    mx.eval(outs)
+    return outs
+
+
+def _error(m: nn.Module) -> float:
+    xs = _inputs(m)
+    if xs is None:
+        return 0.0
+    fused = _run(m, m, xs)
+    base = type(m)._fused_base if _is_fused(m) else type(m)
+    with _unfused_view(m):
+        reference = _run(m, lambda *a: base.__call__(m, *a), xs)
+    worst = 0.0
+    for f, r in zip(fused, reference):
+        scale = float(mx.abs(r).max()) or 1.0
+        worst = max(worst, float(mx.abs(f.astype(mx.float32) - r.astype(mx.float32)).max()) / scale)
+    return worst if worst == worst else float("inf")  # NaN: a broken path
+
+
+@contextlib.contextmanager
+def _unfused_view(m: nn.Module) -> Iterator[None]:
+    """Every kernel class in ``m``'s subtree, and its module's attention function, as MLX's while inside."""
+    from mlxinfer.kernels import patch
+
+    saved = [(sub, sub.__class__) for _, sub in m.named_modules()]
+    sdpa = []
+    try:
+        for sub, cls in saved:
+            sub.__class__ = _builtin_class(cls)
+        for modname, original in patch._ORIGINAL_SDPA.items():
+            module = sys.modules.get(modname)
+            if module is not None:
+                sdpa.append((module, module.scaled_dot_product_attention))
+                module.scaled_dot_product_attention = original
+        yield
+    finally:
+        for module, fn in sdpa:
+            module.scaled_dot_product_attention = fn
+        for sub, cls in saved:
+            sub.__class__ = cls
+
+
+def _builtin_class(cls: type) -> type:
+    from mlxinfer.kernels import patch
+
+    if cls is patch.KernelQuantizedLinear:
+        return nn.QuantizedLinear
+    return getattr(cls, "_fused_base", None) or patch._ROUTED_BASES.get(cls, cls)
+
+
+def _unfuse(m: nn.Module, *, keep_per_op: bool) -> None:
+    """Turn off the fused classes in ``m``'s subtree; with ``keep_per_op=False`` the per-op kernel classes too."""
+    from mlxinfer.kernels import fused_block
+
+    for _, sub in m.named_modules():
+        cls = type(sub)
+        if getattr(cls, "_fused_base", None) is not None or not keep_per_op:
+            sub.__class__ = _builtin_class(cls)
+            if sub.__class__ is not cls:
+                sub.__dict__.pop("_kernel_provider", None)
+                sub.__dict__.pop(fused_block.CONFIG_ATTR, None)

@@ -1,0 +1,147 @@
+"""The load-time self-check and the eligibility table: an upstream change under the same mlx-lm class (scaled
+queries, another MLP activation, an added bias) turns the fused path off, and the output is still mlx-lm's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import cache as cache_lib
+from mlx_lm.models import llama
+
+from kernel_cases import tiny_llama
+from mlxinfer.errors import MlxinferError
+from mlxinfer.kernels import eligibility, patch, selfcheck
+
+
+@pytest.fixture(scope="module")
+def native():
+    from mlxinfer import native as native_mod
+
+    provider = native_mod.provider()
+    if provider is None or getattr(provider, "decoder_block", None) is None:
+        pytest.skip(f"native CPU kernels not built: {native_mod.status()}")
+    return provider
+
+
+def run(model, tokens=(1, 5, 7, 9, 11, 13), steps=3):
+    """Logits of a prefill and a few greedy decode steps (the paths the fused layers take)."""
+    cache = cache_lib.make_prompt_cache(model)
+    out = [model(mx.array([list(tokens)]), cache=cache)[:, -1]]
+    for _ in range(steps):
+        nxt = mx.argmax(out[-1], axis=-1)
+        out.append(model(nxt[:, None], cache=cache)[:, -1])
+    mx.eval(out)
+    return mx.concatenate(out)
+
+
+def builtin_logits(**kw):
+    model = tiny_llama(**kw)
+    patch.apply_kernels(model, "builtin")
+    return run(model)
+
+
+def test_table_is_by_identity_and_version(monkeypatch):
+    assert eligibility.role_of(llama.Attention) == eligibility.ATTENTION_LLAMA
+    assert eligibility.role_of(llama.MLP) == eligibility.MLP_SWIGLU
+
+    class Attention(llama.Attention):  # same name, other class: no role
+        pass
+
+    assert eligibility.role_of(Attention) is None
+    assert eligibility.role_of(nn.Linear) is None
+    eligibility.mlx_lm_validated.cache_clear()
+    monkeypatch.setattr("mlx_lm.__version__", "9.9.9")
+    try:
+        assert eligibility.role_of(llama.Attention) is None
+        assert "9.9.9" in eligibility.mlx_lm_validated()
+    finally:
+        monkeypatch.undo()
+        eligibility.mlx_lm_validated.cache_clear()
+
+
+def test_unchanged_model_passes_and_stays_fused(native):
+    model = tiny_llama()
+    report = patch.apply_kernels(model, "auto")
+    assert "2 decoder layers as one op" in report.detail and "self-check" not in report.detail
+    groups = selfcheck._groups(model)
+    assert list(groups) == ["model.layers.0"] and len(groups["model.layers.0"]) == 2
+    assert selfcheck._error(groups["model.layers.0"][0]) < selfcheck.TOLERANCE / 10
+
+
+def _scaled_queries(self, x, mask=None, cache=None):
+    B, L, _ = x.shape
+    queries, keys, values = self.q_proj(x) * 1.5, self.k_proj(x), self.v_proj(x)
+    queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if cache is not None:
+        queries, keys = self.rope(queries, offset=cache.offset), self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+    else:
+        queries, keys = self.rope(queries), self.rope(keys)
+    output = llama.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+    return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _gelu_mlp(self, x):
+    return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _block_with_bias(original):
+    def __call__(self, x, mask=None, cache=None):
+        return original(self, x, mask, cache) + 0.25
+
+    return __call__
+
+
+@pytest.mark.parametrize("change", ["scaled queries", "gelu mlp", "added bias"])
+def test_upstream_change_refuses_fusion_and_output_stays_right(native, monkeypatch, change):
+    if change == "scaled queries":
+        monkeypatch.setattr(llama.Attention, "__call__", _scaled_queries)
+    elif change == "gelu mlp":
+        monkeypatch.setattr(llama.MLP, "__call__", _gelu_mlp)
+    else:
+        monkeypatch.setattr(llama.TransformerBlock, "__call__", _block_with_bias(llama.TransformerBlock.__call__))
+    expected = builtin_logits()
+    model = tiny_llama()
+    report = patch.apply_kernels(model, "auto")
+    assert "self-check" in report.detail and "disagreed" in report.detail, report.detail
+    assert "decoder layers as one op" not in report.detail
+    got = run(model)
+    assert mx.allclose(got, expected, atol=2e-3, rtol=2e-3).item(), float(mx.abs(got - expected).max())
+    patch.apply_kernels(model, "builtin")
+
+
+def test_custom_mode_fails_instead(native, monkeypatch):
+    monkeypatch.setattr(llama.MLP, "__call__", _gelu_mlp)
+    model = tiny_llama()
+    with pytest.raises(MlxinferError, match="self-check"):
+        patch.apply_kernels(model, "custom")
+    assert all(getattr(type(m), "_fused_base", None) is None for _, m in model.named_modules())
+
+
+def test_broken_per_op_kernel_falls_back_to_builtins(native, monkeypatch):
+    """When even the per-op kernels disagree (here: a provider whose matmul is wrong), the group runs MLX's."""
+
+    class Wrong:
+        name = "wrong"
+
+        def __getattr__(self, item):
+            return getattr(native, item)
+
+        def decoder_block(self, *a, **kw):  # decline the one-op layer: the per-op kernels run
+            return None
+
+        def quantized_matmul(self, x, w, scales, biases, **kw):
+            return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=kw["group_size"],
+                                       bits=kw["bits"]) * 1.1
+
+    monkeypatch.setattr(patch, "select_provider", lambda where=None: (Wrong(), "wrong provider"))
+    model = tiny_llama()
+    report = patch.apply_kernels(model, "auto")
+    assert "MLX built-ins" in report.detail, report.detail
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.q_proj) is nn.QuantizedLinear and type(layer.mlp.down_proj) is nn.QuantizedLinear
+    assert all(getattr(type(m), "_fused_base", None) is None for _, m in model.named_modules())
+    patch.apply_kernels(model, "builtin")
