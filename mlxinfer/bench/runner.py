@@ -4,6 +4,7 @@ case with warmup and repetitions, turning the timed samples into self-describing
 from __future__ import annotations
 
 import gc
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,11 +13,14 @@ from typing import Callable
 from ..errors import InvalidParameter
 from . import measure, provenance
 from .hardware import hardware_info, os_info
+from .memory import check_memory
 from .stats import summarize
 from .workload import Case, PromptSource, expand_cases
 
 SCHEMA = "mlxinfer-bench/1"
 PEERS = ("mlx-lm",)
+MAX_REPETITIONS, MAX_WARMUP = 10_000, 1_000  # beyond these a run would take days: surely a typo
+SEED_MAX = 2**64 - 1
 WARMUP_GEN = 4  # warmup runs decode a few tokens: enough to allocate and compile, cheap at any -n
 Progress = Callable[[str, int, int], None]  # (what is running, done, total)
 # The provenance every record carries (the tests hold the JSON and CSV outputs to it).
@@ -52,14 +56,16 @@ class BenchOptions:
         return expand_cases(self.prompts, self.gens, self.depths, self.batches, self.prefixes)
 
     def validate(self) -> "BenchOptions":
-        if self.repetitions < 1:
-            raise InvalidParameter(f"invalid repetitions {self.repetitions}: must be >= 1")
-        if self.warmup < 0:
-            raise InvalidParameter(f"invalid warmup {self.warmup}: must be >= 0")
+        if not 1 <= self.repetitions <= MAX_REPETITIONS:
+            raise InvalidParameter(f"invalid repetitions {self.repetitions}: must be between 1 and {MAX_REPETITIONS}")
+        if not 0 <= self.warmup <= MAX_WARMUP:
+            raise InvalidParameter(f"invalid warmup {self.warmup}: must be between 0 and {MAX_WARMUP}")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise InvalidParameter(f"invalid seed {self.seed}: must be between 0 and {SEED_MAX}")
         if self.peer is not None and self.peer not in PEERS:
             raise InvalidParameter(f"unknown peer {self.peer!r}", hint=f"supported: {', '.join(PEERS)}")
-        if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
-            raise InvalidParameter(f"invalid bandwidth {self.bandwidth_gbps}: must be > 0 GB/s")
+        if self.bandwidth_gbps is not None and not 0 < self.bandwidth_gbps < float("inf"):
+            raise InvalidParameter(f"invalid bandwidth {self.bandwidth_gbps}: must be a finite number > 0 (GB/s)")
         if self.prompt_file is not None:
             if not Path(self.prompt_file).is_file():
                 raise InvalidParameter(f"prompt file {self.prompt_file} does not exist", hint="check the path")
@@ -116,9 +122,13 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
     cases = opts.cases()
     if not cases:
         raise InvalidParameter("nothing to run", hint="give -p/-n lengths or --prefix-cache lengths")
+    from ..engine.backend import backend
+
     for spec in specs:
-        _, context = context_length_of(spec)
+        path, context = context_length_of(spec)
         check_context(spec.alias or spec.name, context, cases)
+        config = json.loads((path / "config.json").read_text())
+        check_memory(spec.alias or spec.name, path, config, cases, on_cpu=backend() == "cpu")
     hw = hardware_info(bandwidth_gbps=opts.bandwidth_gbps)
     system = os_info()
     engines = 2 if opts.peer else 1

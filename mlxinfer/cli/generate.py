@@ -27,31 +27,37 @@ def generate_cmd(
     kernels: o.Kernels = "auto",
 ):
     """Generate a reply to one prompt."""
-    from ..engine.generate import chat_prompt, stream_generate
+    from ..engine.generate import prompt_tokens, stream_generate
     from ..errors import InvalidParameter
     from ..registry import Registry
     from ..ui.console_out import print_stats_line
-    from ..ui.progress import load_model, stderr_console
+    from ..ui.progress import load_model, stderr_console, tokenize_progress
 
     if prompt is None:
         raise InvalidParameter("no prompt given", hint="use -p 'your question', or -p - to read stdin")
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = read_stdin()
+    if not prompt.strip():
+        raise InvalidParameter("the prompt is empty", hint="give some text with -p, or pipe it with -p -")
     registry = Registry.load()
     spec = registry.resolve(model)
-    params = o.sampling_from(spec.defaults, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                             repeat_penalty=repeat_penalty, max_tokens=max_tokens, seed=seed)
+    flags = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
+                 max_tokens=max_tokens, seed=seed)
+    o.sampling_from(spec.defaults, **flags)  # what needs no model is refused before the model loads
     loaded = load_model(spec, kernels=kernels)
-    if raw:
-        tokens = prompt
-    else:
+    params = o.sampling_from(spec.defaults, loaded=loaded, **flags)
+    if not raw:
         system = system if system is not None else spec.defaults.get("system")
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        tokens = chat_prompt(loaded, messages)
+    # Checked against the context before any prefill: a prompt that cannot fit is refused, not truncated.
+    with tokenize_progress() as progress:
+        tokens, room = prompt_tokens(loaded, prompt, raw=raw, system=None if raw else system,
+                                     max_tokens=params.max_tokens, fixed_max_tokens=max_tokens is not None,
+                                     progress=progress)
+    run_params = params.with_values(max_tokens=room)  # the reply stops where the context ends
 
     out = sys.stdout
     pieces, last = [], None
-    for r in stream_generate(loaded, tokens, params):
+    for r in stream_generate(loaded, tokens, run_params):
         pieces.append(r.text)
         last = r
         if not as_json and r.text:
@@ -71,7 +77,22 @@ def generate_cmd(
         if not "".join(pieces).endswith("\n"):
             out.write("\n")
         out.flush()
-        print_stats_line(stderr_console(), stats)
+        print_stats_line(stderr_console(), stats,
+                         context=(stats.prompt_tokens + stats.generation_tokens, loaded.context_length))
+
+
+def read_stdin() -> str:
+    """The prompt from stdin, decoded strictly: undecodable bytes are named by position, not replaced."""
+    from ..errors import InvalidParameter
+
+    if sys.stdin is None:
+        raise InvalidParameter("stdin is closed", hint="pipe the prompt in, or pass it with -p 'text'")
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidParameter(f"stdin is not valid UTF-8: {e.reason} at byte {e.start}",
+                               hint="convert it first, e.g. iconv -f latin1 -t utf-8") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from ..errors import InvalidParameter
 from .loader import LoadedModel
 from .sampling import SamplingParams, make_logits_processors, make_sampler
 from .templates import render, special_tokens_of
@@ -46,6 +47,10 @@ class Response:
     finish_reason: str | None = None
 
 
+LONG_PROMPT_CHARS = 100_000  # above this, tokenizing takes long enough to show progress and count first
+TOKENIZE_CHUNK = 16_384      # characters per progress step while counting
+
+
 def encode_prompt(loaded: LoadedModel, prompt: str) -> list[int]:
     """Tokenize raw text, adding BOS unless the text already starts with it (as mlx-lm does)."""
     tok = loaded.tokenizer
@@ -55,8 +60,97 @@ def encode_prompt(loaded: LoadedModel, prompt: str) -> list[int]:
 
 def chat_prompt(loaded: LoadedModel, messages: list[dict[str, str]], **template_vars) -> list[int]:
     """Render messages with the model's chat template (sandboxed) and tokenize the result."""
-    text = render(loaded.chat_template, messages, special_tokens=special_tokens_of(loaded.tokenizer), **template_vars)
-    return list(loaded.tokenizer.encode(text, add_special_tokens=False))
+    return list(loaded.tokenizer.encode(chat_text(loaded, messages, **template_vars), add_special_tokens=False))
+
+
+def chat_text(loaded: LoadedModel, messages: list[dict[str, str]], **template_vars) -> str:
+    """The prompt text the model's chat template (sandboxed, time- and size-limited) makes of ``messages``."""
+    return render(loaded.chat_template, messages, special_tokens=special_tokens_of(loaded.tokenizer), **template_vars)
+
+
+def _chunks(text: str, size: int) -> Iterator[str]:
+    """Pieces of about ``size`` characters that end before whitespace, so few tokens straddle two pieces."""
+    start = 0
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text):
+            cut = max(text.rfind(" ", start + size // 2, end), text.rfind("\n", start + size // 2, end))
+            end = cut if cut > start else end
+        yield text[start:end]
+        start = end
+
+
+def _count_encoder(tokenizer) -> Callable[[str], int]:
+    """Token count of a piece: the Rust tokenizer directly when there is one (fast, and without transformers'
+    'sequence length is longer than the maximum' warning on stderr)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None:
+        return lambda piece: len(backend.encode(piece, add_special_tokens=False).ids)
+    return lambda piece: len(hf.encode(piece, add_special_tokens=False))
+
+
+def estimate_tokens(loaded: LoadedModel, text: str, *, stop_above: int | None = None,
+                    progress: Callable[[str, int, int], None] | None = None) -> tuple[int, float]:
+    """(tokens, share of the text counted) for a long text, counted piece by piece with ``progress("tokenize",
+    chars done, chars total)``; piece boundaries may shift a token or two each. Stops once the count passes
+    ``stop_above`` and extrapolates from the part counted."""
+    count, done, n = _count_encoder(loaded.tokenizer), 0, 0
+    if progress:
+        progress("tokenize", 0, len(text))
+    for piece in _chunks(text, TOKENIZE_CHUNK):
+        n += count(piece)
+        done += len(piece)
+        if progress:
+            progress("tokenize", done, len(text))
+        if stop_above is not None and n > stop_above and done < len(text):
+            return int(n * len(text) / done), done / len(text)
+    return n, 1.0
+
+
+def prompt_tokens(loaded: LoadedModel, prompt: str, *, raw: bool = False, system: str | None = None,
+                  max_tokens: int = -1, fixed_max_tokens: bool = False,
+                  progress: Callable[[str, int, int], None] | None = None) -> tuple[list[int], int]:
+    """The prompt's tokens (raw text, or a user message through the chat template) checked against the context
+    before anything is prefilled, and the max_tokens to generate with. ``fixed_max_tokens``: the user asked for
+    ``max_tokens`` and the prompt must leave room for it; otherwise it is capped to the room left. A long prompt
+    is counted piece by piece first (reporting progress), so an oversized one is refused after a small part."""
+    if not prompt.strip():
+        raise InvalidParameter("the prompt is empty", hint="give some text with -p, or pipe it with -p -")
+    if raw:
+        text = prompt
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = chat_text(loaded, messages)
+    fixed = fixed_max_tokens and max_tokens > 0
+    room = max_tokens if fixed else 1
+    limit = loaded.context_length - room  # prompt tokens that fit
+    if len(text) > LONG_PROMPT_CHARS:
+        slack = 2 * (len(text) // TOKENIZE_CHUNK + 1)
+        n, share = estimate_tokens(loaded, text, stop_above=limit + slack, progress=progress)
+        if n > limit + slack:
+            _too_long(loaded, n, share, room, fixed)
+    tokens = encode_prompt(loaded, text) if raw else list(loaded.tokenizer.encode(text, add_special_tokens=False))
+    if progress:
+        progress("tokenize", len(text), len(text))
+    if len(tokens) > limit:
+        _too_long(loaded, len(tokens), None, room, fixed)
+    left = loaded.context_length - len(tokens)
+    return tokens, (left if max_tokens <= 0 else min(max_tokens, left))
+
+
+def _too_long(loaded: LoadedModel, n: int, share: float | None, room: int, fixed: bool) -> None:
+    if share is None:
+        size = f"{n:,} tokens"
+    elif share < 1:
+        size = f"about {n:,} tokens (estimated from its first {share:.0%})"
+    else:
+        size = f"about {n:,} tokens"
+    need = f" + {room:,} to generate (--max-tokens)" if fixed else ""
+    raise InvalidParameter(
+        f"the prompt is {size}{need} but the context of {loaded.name} holds {loaded.context_length:,}",
+        hint="shorten the prompt or lower --max-tokens" if fixed else "shorten the prompt",
+    )
 
 
 def _holdback(text: str, stops: Sequence[str]) -> int:

@@ -32,4 +32,5 @@ def stats_text(stats, context: tuple[int, int] | None = None) -> str:
 
 
 def print_stats_line(console: Console, stats, context: tuple[int, int] | None = None) -> None:
-    console.print(stats_text(stats, context), style="dim", markup=False)
+    # soft_wrap: never cut mid-field (a terminal wraps by itself; a log keeps one line per reply)
+    console.print(stats_text(stats, context), style="dim", markup=False, soft_wrap=True)

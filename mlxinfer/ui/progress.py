@@ -13,11 +13,14 @@ from rich.progress import (
 )
 
 _LABELS = {"download": "Downloading", "import": "Importing GGUF", "write": "Writing MLX weights", "load": "Loading",
-           "convert": "Converting tensors", "eval": "Quality check"}
+           "convert": "Converting tensors", "eval": "Quality check", "tokenize": "Tokenizing the prompt"}
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+    console = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+    if not console.is_terminal:  # a log file or a pipe: lines stay whole, not cut at Rich's default 80 columns
+        console.soft_wrap = True
+    return console
 
 
 @contextmanager
@@ -43,6 +46,25 @@ def load_progress(console: Console | None = None, enabled: bool | None = None) -
             bar.update(tasks[stage], completed=done, total=max(total, 1), extra=extra)
 
         yield progress
+
+
+@contextmanager
+def tokenize_progress(console: Console | None = None) -> Iterator:
+    """A ``progress(stage, done, total)`` callback for tokenizing a long prompt: a bar on a terminal, one plain
+    notice line otherwise (engine code calls it only for prompts long enough to take a while)."""
+    console = console or stderr_console()
+    if console.is_terminal:
+        with load_progress(console, enabled=True) as progress:
+            yield progress
+        return
+    said: list[bool] = []
+
+    def notice(_stage: str, done: int, total: int) -> None:
+        if not said and done < total:
+            said.append(True)
+            console.print(f"tokenizing a long prompt ({total:,} characters)...", markup=False, soft_wrap=True)
+
+    yield notice
 
 
 def load_model(model: str | None, *, kernels: str = "auto", registry=None, console: Console | None = None):
