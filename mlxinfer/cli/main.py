@@ -19,10 +19,12 @@ COMMANDS = ("chat", "generate", "bench", "convert", "models", "pull", "rm", "sho
 app = typer.Typer(
     name="mlxinfer",
     help="Local LLM chat, benchmark and conversion on MLX (Apple Silicon; CPU elsewhere).\n\n"
-    "Without a command it starts a chat: `mlxinfer qwen3-0.6b --temp 0` is `mlxinfer chat qwen3-0.6b --temp 0`.",
+    "Without a command it starts a chat: `mlxinfer qwen3-0.6b --temp 0` is `mlxinfer chat qwen3-0.6b --temp 0`; "
+    "with a prompt after the model it answers once: `mlxinfer smollm2 \"Why is the sky blue?\"` is "
+    "`mlxinfer generate smollm2 -p \"Why is the sky blue?\"`.",
     no_args_is_help=False,
     invoke_without_command=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -41,13 +43,20 @@ def _root(
     """With no command (or with chat's arguments alone, e.g. `mlxinfer qwen3-0.6b --temp 0`), start a chat."""
 
 
+_ROOT_OPTIONS = ("-h", "--help", "--version", "--install-completion", "--show-completion")
+
+
 def _with_default_command(argv: list[str]) -> list[str]:
-    """`mlxinfer [chat args]` means `mlxinfer chat [chat args]`."""
+    """`mlxinfer [chat args]` means `mlxinfer chat [chat args]`; `mlxinfer MODEL "prompt" [options]` means
+    `mlxinfer generate MODEL -p "prompt" [options]` (one-shot, as `ollama run MODEL "prompt"`)."""
     if "chat" not in COMMANDS_PRESENT:
         return argv
-    if not argv or (argv[0] not in COMMANDS_PRESENT and argv[0] not in ("-h", "--help", "--version")):
-        return ["chat", *argv]
-    return argv
+    if argv and argv[0] in (*COMMANDS_PRESENT, *_ROOT_OPTIONS):
+        return argv
+    if len(argv) >= 2 and not argv[0].startswith("-") and not argv[1].startswith("-") and \
+            "generate" in COMMANDS_PRESENT:
+        return ["generate", argv[0], "-p", argv[1], *argv[2:]]
+    return ["chat", *argv]
 
 
 COMMANDS_PRESENT: list[str] = []
