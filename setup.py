@@ -6,9 +6,18 @@ under ``mlxinfer/data/`` so that ``importlib.resources`` finds them after ``pip 
 ``cpu_kernels/`` is compiled into ``mlxinfer/native/_mlxinfer_cpu*.so`` (CMake + nanobind, against the MLX in
 the build environment) when a C++ toolchain is there. The build is optional: without a compiler the install
 still succeeds and mlxinfer runs on MLX's built-in kernels (``python -m mlxinfer.native status`` says why).
+``MLXINFER_BUILD_NATIVE=0`` skips it (a pure ``py3-none-any`` wheel; ``python -m mlxinfer.native build`` can
+compile the shipped sources later).
+
+Wheel tags: without the native module the wheel is ``py3-none-any``. With it, setuptools tags the wheel
+``cpXY-cpXY-linux_x86_64`` (macOS: ``macosx_<target>_arm64``, already acceptable to PyPI); on Linux, retag it with
+auditwheel, leaving MLX's own library to the mlx wheel it comes from:
+    auditwheel repair --exclude libmlx.so -w dist/ dist/mlxinfer-*-linux_x86_64.whl
+(tests/packaging/test_wheel.py does exactly this.)
 """
 
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +25,11 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
 
 ROOT = Path(__file__).parent.resolve()
 
@@ -73,7 +87,21 @@ class BuildNative(build_ext):
         return outputs
 
 
+def _native_enabled() -> bool:
+    return os.environ.get("MLXINFER_BUILD_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class WheelTags(bdist_wheel):
+    """A wheel whose native module was not built (switched off, or no compiler) is pure Python: tag it so."""
+
+    def get_tag(self):
+        build_lib = Path(self.get_finalized_command("build").build_lib)
+        if not any((build_lib / "mlxinfer" / "native").glob("_mlxinfer_cpu*.so")):
+            return "py3", "none", "any"
+        return super().get_tag()
+
+
 setup(
-    cmdclass={"build_py": BuildPyWithData, "build_ext": BuildNative},
-    ext_modules=[Extension("mlxinfer.native._mlxinfer_cpu", sources=[])],
+    cmdclass={"build_py": BuildPyWithData, "build_ext": BuildNative, "bdist_wheel": WheelTags},
+    ext_modules=[Extension("mlxinfer.native._mlxinfer_cpu", sources=[])] if _native_enabled() else [],
 )
