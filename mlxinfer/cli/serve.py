@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -33,6 +33,9 @@ def serve_cmd(
                                                "decode steps.")] = 256,
     batch_from: Annotated[int, typer.Option("--batch-from", help="Decode as one batch from this many sequences "
                                             "on (fewer each run the single-sequence fast path).")] = 4,
+    allow_origin: Annotated[Optional[List[str]], typer.Option(
+        "--allow-origin", help="A web origin (e.g. http://localhost:3000) whose pages may call the API from a "
+        "browser (CORS); repeatable, '*' for any.")] = None,
     temp: o.Temp = None,
     top_p: o.TopP = None,
     top_k: o.TopK = None,
@@ -73,7 +76,8 @@ def serve_cmd(
     resolve(spec.defaults, None, flags, loaded=loaded)
     opts = ServeOptions(api_key=api_key, max_body=max_body, parallel=parallel, queue_size=queue_size,
                         timeout=timeout or None, prefix_cache_bytes=prefix_cache_mb << 20,
-                        prefill_chunk=prefill_chunk, batch_from=batch_from, flags=flags)
+                        prefill_chunk=prefill_chunk, batch_from=batch_from, flags=flags,
+                        allow_origins=list(allow_origin or []))
     shown = f"[{host}]" if ":" in host else host
     print(f"mlxinfer serve: {loaded.name} ({loaded.kernels}) on http://{shown}:{port}/v1 — parallel {parallel}, "
           f"queue {queue_size}{', API key required' if api_key else ''} (Ctrl-C or SIGTERM to stop)",

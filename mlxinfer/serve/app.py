@@ -39,6 +39,7 @@ class ServeOptions:
     prefix_cache_bytes: int = 512 << 20
     prefill_chunk: int = 256
     batch_from: int = 4
+    allow_origins: list[str] = field(default_factory=list)  # CORS: web pages that may call the API from a browser
     flags: dict[str, Any] = field(default_factory=dict)  # sampling values from the command line (highest rank)
 
 
@@ -316,6 +317,14 @@ def create_app(loaded, opts: ServeOptions) -> Starlette:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    middleware = []
+    if opts.allow_origins:
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=opts.allow_origins, allow_methods=["GET", "POST"],
+                                     allow_headers=["Authorization", "Content-Type"]))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={HTTPException: http_error})
     app.state.api = api
     return app

@@ -21,6 +21,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def limited(tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("serve-limited"), "--parallel", "1", "--queue-size", "1",
-                       "--max-body", "4096", key=API_KEY)
+                       "--max-body", "4096",
+                       "--allow-origin", "http://ui.example", key=API_KEY)
     yield srv
     srv.stop()

@@ -81,6 +81,16 @@ def test_api_key_is_required(limited):
     assert limited.client().models.list().data[0].id == "smollm2"
 
 
+def test_cors_only_for_allowed_origins(limited):
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(limited.url(CHAT), headers={"Origin": "http://ui.example", **pre}, timeout=5)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ui.example"
+    other = httpx.options(limited.url(CHAT), headers={"Origin": "http://evil.example", **pre}, timeout=5)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    r = httpx.get(limited.url("/v1/models"), headers={"Origin": "http://ui.example", **limited.headers()}, timeout=5)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+
+
 def test_body_limit_gets_413(limited):
     big = {"messages": [{"role": "user", "content": "x" * 5000}]}
     r = httpx.post(limited.url(CHAT), json=big, headers=limited.headers(), timeout=5)
