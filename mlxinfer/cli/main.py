@@ -140,8 +140,9 @@ def _check_argv(argv: list[str]) -> None:
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError:
-            shown = arg.encode("utf-8", "backslashreplace").decode("ascii", "replace")
-            raise InvalidParameter(f"argument {shown!r} is not valid UTF-8", hint="pass text in UTF-8") from None
+            # surrogateescape gives back the bytes the user typed: b'\xff' shows as \xff, not as \udcff
+            shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise InvalidParameter(f"argument '{shown}' is not valid UTF-8", hint="pass text in UTF-8") from None
 
 
 def _silence_stdout() -> None:
