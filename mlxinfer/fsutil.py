@@ -204,7 +204,7 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def write_failure(error: BaseException, where: Path, what: str) -> MlxinferError | None:
+def write_failure(error: BaseException, where: Path, what: str, limit_hint: str = "") -> MlxinferError | None:
     """The one-line error for a failed write of ``what`` into ``where`` (None when it was not the disk's doing).
     MLX raises ``RuntimeError("[write] Unable to write N bytes")`` without errno: look at space and limits."""
     code = getattr(error, "errno", None)
@@ -218,7 +218,7 @@ def write_failure(error: BaseException, where: Path, what: str) -> MlxinferError
                            hint="free some space or choose another place")
     if code == errno.EFBIG:
         return WriteFailed(f"file size limit reached while writing {what} in {where}; nothing was kept",
-                           hint="raise the limit (ulimit -f) or use smaller --shard-size")
+                           hint=f"raise the limit (ulimit -f){limit_hint}")
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         return WriteFailed(f"cannot write {what} in {where}: {os.strerror(code)}; nothing was kept",
                            hint="choose a place you can write to")

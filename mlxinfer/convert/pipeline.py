@@ -226,7 +226,8 @@ def convert(
             meta, stats, quality, dtype = _build(staging.path, info, opts, recipe, notes, size_before, out,
                                                  progress=progress, after_tensor=after_tensor)
         except (OSError, RuntimeError) as e:  # judged while the temp dir still fills the disk
-            failure = write_failure(e, out.parent, f"the converted model {out.name}")
+            failure = write_failure(e, out.parent, f"the converted model {out.name}",
+                                    limit_hint=" or write smaller files (--shard-size)")
             if failure is None:
                 raise
             raise failure from None
