@@ -145,6 +145,25 @@ def _check_argv(argv: list[str]) -> None:
             raise InvalidParameter(f"argument '{shown}' is not valid UTF-8", hint="pass text in UTF-8") from None
 
 
+def _give_usage_context(e: Exception, argv: list[str] | None) -> None:
+    """click's parser raises some usage errors (an option missing its value) without a context, and then prints
+    no usage line; give them the command's context so every usage error shows it."""
+    if not argv or not hasattr(e, "ctx") or e.ctx is not None:
+        return
+    try:
+        import typer._click as tclick
+        from typer._click.utils import _detect_program_name
+
+        root = typer.main.get_command(app)
+        settings = dict(getattr(app.info, "context_settings", None) or {})
+        parent = tclick.Context(root, info_name=_detect_program_name(), **settings)
+        sub = root.get_command(parent, argv[0]) if hasattr(root, "get_command") else None
+        if sub is not None:
+            e.ctx, e.cmd = tclick.Context(sub, info_name=argv[0], parent=parent, **settings), sub
+    except Exception:  # noqa: BLE001 - the message alone is still right
+        pass
+
+
 def _silence_stdout() -> None:
     """After a broken pipe, point stdout at /dev/null so the interpreter's final flush stays quiet."""
     try:
@@ -215,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     except (typer.Abort, EOFError):
         return 1
     except _click_exceptions() as e:
+        _give_usage_context(e, argv)
         e.show()  # usage errors: click's usage line, a hint and the message
         return 2
     except UnicodeDecodeError as e:
