@@ -1,0 +1,122 @@
+"""Exit codes as promised, through the real CLI in a subprocess: usage errors 2 with click's usage line, output
+that cannot be written 2 with one line, a broken pipe silent, undecodable argv 2, Ctrl-C 130, SIGTERM 143, never
+a traceback; and the stats line stays one line when stderr is not a terminal."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from safety_cli import MLXINFER, assert_one_line_error, error_lines, run, write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    # A long context so a reply can run for as long as a signal test needs (greedy on these weights never
+    # samples EOS; the tests below stop it long before the limit).
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m", max_position_embeddings=100_000)
+
+
+@pytest.fixture
+def env(tmp_path) -> dict:
+    return {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_STATE_HOME": str(tmp_path / "state"),
+            "XDG_CACHE_HOME": str(tmp_path / "cache"), "MLXINFER_CACHE": str(tmp_path / "mlxcache")}
+
+
+def long_reply(tiny: Path) -> list[str]:
+    return [*MLXINFER, "generate", str(tiny), "-p", "hello", "--temp", "0", "-n", "90000"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("generate", "--bogus"), "No such option: --bogus"),
+    (("bench", "--bogus"), "No such option: --bogus"),
+    (("generate", "-p"), "Option '-p' requires an argument"),
+    (("generate", "x", "-n", "many"), "Invalid value for '--max-tokens'"),
+])
+def test_usage_errors_exit_2_with_clicks_usage_line(env, args, message):
+    proc = run(*args, env=env)
+    lines = error_lines(proc)
+    assert proc.returncode == 2, lines
+    assert lines[0].startswith("Usage: ") and any(message in line for line in lines), lines
+    assert "Traceback" not in proc.stderr
+
+
+def test_stdout_on_a_full_device_is_one_line(tiny, env):
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([*MLXINFER, "generate", str(tiny), "-p", "hello", "-n", "5"], stdout=full,
+                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env, timeout=120)
+    assert_one_line_error(proc, "no space left on the device")
+
+
+def test_stdout_closed_is_one_line(tiny, env):
+    command = "exec 1>&-; exec " + shlex.join([*MLXINFER, "generate", str(tiny), "-p", "hello", "-n", "5"])
+    proc = subprocess.run(["sh", "-c", command], stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                          env=env, timeout=120)
+    assert_one_line_error(proc, "the stream is closed")
+
+
+def test_a_broken_pipe_is_silent(tiny, env, tmp_path):
+    """`mlxinfer generate ... | head -c 1`: head exits after one byte; mlxinfer must stop without a word."""
+    err = tmp_path / "stderr"
+    command = f"{shlex.join(long_reply(tiny))} 2>{shlex.quote(str(err))} | head -c 1"
+    proc = subprocess.run(["sh", "-c", command], capture_output=True, stdin=subprocess.DEVNULL, env=env,
+                          timeout=120)
+    assert len(proc.stdout) == 1
+    assert err.read_text() == ""
+
+
+def test_undecodable_argv_is_one_line(env):
+    proc = subprocess.run([*MLXINFER, "generate", b"ab\xffc"], capture_output=True, text=True, env=env,
+                          stdin=subprocess.DEVNULL, timeout=120, errors="replace")
+    assert_one_line_error(proc, r"argument 'ab\xffc' is not valid UTF-8")
+
+
+def _signal_mid_reply(tiny: Path, env: dict, signum: int) -> tuple[subprocess.Popen, str, bytes]:
+    """Start a long reply, send ``signum`` once its first bytes are on stdout; (process, stderr, stdout)."""
+    proc = subprocess.Popen(long_reply(tiny), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, env=env)
+    first = proc.stdout.read(1)  # blocks until the reply has begun
+    assert first, proc.stderr.read().decode()
+    out: list[bytes] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.read()))
+    reader.start()
+    proc.send_signal(signum)
+    try:
+        stderr = proc.stderr.read().decode("utf-8", "replace")
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+    return proc, stderr, first + b"".join(out)
+
+
+@pytest.mark.parametrize("signum, code, word", [
+    (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated"),
+])
+def test_signals_during_generate(tiny, env, signum, code, word):
+    proc, stderr, stdout = _signal_mid_reply(tiny, env, signum)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == code, (proc.returncode, lines)
+    assert "Traceback" not in stderr and lines == [word], lines
+    assert 0 < len(stdout) < 90000  # stopped part-way, what was written stays written
+
+
+def test_stats_line_is_one_line_when_stderr_is_not_a_terminal(tiny, env):
+    """Rich used to wrap it at 80 columns (its default off a terminal), mid-field; with COLUMNS=30 too."""
+    proc = run("generate", str(tiny), "-p", "hello", "--temp", "0", "-n", "5", env={**env, "COLUMNS": "30"})
+    assert proc.returncode == 0, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("5 tokens ") and " · TTFT " in lines[0] and lines[0].endswith("length"), lines
+    assert len(lines[0]) > 80
+
+
+if sys.platform != "linux":  # /dev/full is Linux's
+    test_stdout_on_a_full_device_is_one_line = pytest.mark.skip("needs /dev/full")(
+        test_stdout_on_a_full_device_is_one_line)
