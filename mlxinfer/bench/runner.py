@@ -190,8 +190,11 @@ def _prompt_source(loaded, opts: BenchOptions) -> PromptSource:
     vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or loaded.tokenizer.vocab_size
     if opts.prompt_file is None:
         return PromptSource(int(vocab), opts.seed)
+    from ..engine.generate import encode_pieces
+
     text = Path(opts.prompt_file).read_text(encoding="utf-8")
-    tokens = loaded.tokenizer.encode(text, add_special_tokens=False)
+    need = max((c.depth + c.prompt for c in opts.cases()), default=0)
+    tokens = encode_pieces(loaded.tokenizer, text, stop_after=need)  # cycled if shorter; a big file not read whole
     label = f"file {Path(opts.prompt_file).name} ({len(tokens)} tokens)"
     return PromptSource(int(vocab), opts.seed, tokens, label=label)
 

@@ -80,14 +80,30 @@ def _chunks(text: str, size: int) -> Iterator[str]:
         start = end
 
 
-def _count_encoder(tokenizer) -> Callable[[str], int]:
-    """Token count of a piece: the Rust tokenizer directly when there is one (fast, and without transformers'
+def _piece_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """Tokens of a piece: the Rust tokenizer directly when there is one (fast, and without transformers'
     'sequence length is longer than the maximum' warning on stderr)."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is not None:
-        return lambda piece: len(backend.encode(piece, add_special_tokens=False).ids)
-    return lambda piece: len(hf.encode(piece, add_special_tokens=False))
+        return lambda piece: backend.encode(piece, add_special_tokens=False).ids
+    return lambda piece: list(hf.encode(piece, add_special_tokens=False))
+
+
+def _count_encoder(tokenizer) -> Callable[[str], int]:
+    encode = _piece_encoder(tokenizer)
+    return lambda piece: len(encode(piece))
+
+
+def encode_pieces(tokenizer, text: str, *, stop_after: int | None = None) -> list[int]:
+    """Tokens of a long text piece by piece (a token or two may differ at piece boundaries), stopping once
+    ``stop_after`` are there: for benchmark prompts, where a big file need not be tokenized whole."""
+    encode, out = _piece_encoder(tokenizer), []
+    for piece in _chunks(text, TOKENIZE_CHUNK):
+        out.extend(encode(piece))
+        if stop_after is not None and len(out) >= stop_after:
+            break
+    return out
 
 
 def estimate_tokens(loaded: LoadedModel, text: str, *, stop_above: int | None = None,

@@ -310,7 +310,7 @@ def render(
             detail = f"{type(e).__name__}: {detail}"
         raise InvalidModel(f"chat template failed to render: {detail}", hint=HINT) from None
     text = "".join(pieces)
-    if not text.strip():
+    if not text.strip() and messages:  # with no messages at all, nothing is a fair answer
         raise InvalidModel("chat template rendered nothing for these messages", hint=HINT)
     return text
 

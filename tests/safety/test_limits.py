@@ -133,3 +133,25 @@ def test_check_memory_counts_batch_depth_prompt_and_generation(tmp_path):
 def test_available_memory_is_read_from_the_system():
     found = available_memory()
     assert found is not None and found[0] > 0
+
+
+def test_bench_reads_a_big_prompt_file_only_as_far_as_needed(tiny, env, tmp_path):
+    """A 1 MB --prompt-file: only the tokens the tests need are made, quickly, and transformers' 'longer than the
+    maximum sequence length' warning never reaches stderr."""
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": CONTEXT}))
+    text = tmp_path / "prompt.txt"
+    text.write_text("lorem ipsum " * 90_000)
+    start = time.monotonic()
+    proc = run("bench", str(model), "-p", "32", "-n", "4", "-r", "1", "--warmup", "0", "--bandwidth", "10",
+               "--prompt-file", str(text), "-o", "json", env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sequence length" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    record = json.loads(proc.stdout)[0]
+    assert record["workload"]["prompt_source"].startswith("file prompt.txt")
+    assert time.monotonic() - start < 60
