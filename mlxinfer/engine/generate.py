@@ -55,12 +55,22 @@ def encode_prompt(loaded: LoadedModel, prompt: str) -> list[int]:
     """Tokenize raw text, adding BOS unless the text already starts with it (as mlx-lm does)."""
     tok = loaded.tokenizer
     add_special = tok.bos_token is None or not prompt.startswith(tok.bos_token)
-    return list(tok.encode(prompt, add_special_tokens=add_special))
+    return _encode(tok, prompt, add_special)
 
 
 def chat_prompt(loaded: LoadedModel, messages: list[dict[str, str]], **template_vars) -> list[int]:
     """Render messages with the model's chat template (sandboxed) and tokenize the result."""
-    return list(loaded.tokenizer.encode(chat_text(loaded, messages, **template_vars), add_special_tokens=False))
+    return _encode(loaded.tokenizer, chat_text(loaded, messages, **template_vars), False)
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode`` without transformers' 'sequence length is longer than the specified maximum' warning:
+    the length is checked against the context by the callers, with one clear line of their own."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    warned = getattr(hf, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def chat_text(loaded: LoadedModel, messages: list[dict[str, str]], **template_vars) -> str:
@@ -146,7 +156,7 @@ def prompt_tokens(loaded: LoadedModel, prompt: str, *, raw: bool = False, system
         n, share = estimate_tokens(loaded, text, stop_above=limit + slack, progress=progress)
         if n > limit + slack:
             _too_long(loaded, n, share, room, fixed)
-    tokens = encode_prompt(loaded, text) if raw else list(loaded.tokenizer.encode(text, add_special_tokens=False))
+    tokens = encode_prompt(loaded, text) if raw else _encode(loaded.tokenizer, text, False)
     if progress:
         progress("tokenize", len(text), len(text))
     if len(tokens) > limit:

@@ -22,6 +22,20 @@ def tiny(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m")
 
 
+@pytest.fixture(scope="module")
+def tiny_hf(tiny, tmp_path_factory) -> Path:
+    """The tiny model with model_max_length set, as real tokenizer configs have it: transformers then warns on
+    stderr about longer inputs, which must not add a second line to the refusal."""
+    import json
+    import shutil
+
+    model = tmp_path_factory.mktemp("tiny_hf") / "m"
+    shutil.copytree(tiny, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": CONTEXT}))
+    return model
+
+
 @pytest.fixture
 def env(tmp_path) -> dict:
     return {"XDG_DATA_HOME": str(tmp_path / "data"), "XDG_STATE_HOME": str(tmp_path / "state"),
@@ -30,15 +44,15 @@ def env(tmp_path) -> dict:
 
 # -- generate: the prompt against the context --------------------------------------------------------------
 
-def test_a_prompt_longer_than_the_context_is_refused_before_prefill(tiny, env):
+def test_a_prompt_longer_than_the_context_is_refused_before_prefill(tiny_hf, env):
     # The byte-level tokenizer makes one token per byte (and has no BOS): 600 bytes cannot fit in 512.
-    proc = run("generate", str(tiny), "--raw", "-p", "a" * 600, env=env)
+    proc = run("generate", str(tiny_hf), "--raw", "-p", "a" * 600, env=env)
     assert_one_line_error(proc, "the prompt is 600 tokens", f"holds {CONTEXT}", "shorten the prompt")
     assert proc.stdout == ""
 
 
-def test_a_prompt_through_the_template_is_counted_too(tiny, env):
-    proc = run("generate", str(tiny), "-p", "b" * 505, env=env)  # + "user: " and "assistant:" > 512
+def test_a_prompt_through_the_template_is_counted_too(tiny_hf, env):
+    proc = run("generate", str(tiny_hf), "-p", "b" * 505, env=env)  # + "user: " and "assistant:" > 512
     assert_one_line_error(proc, "the prompt is", f"holds {CONTEXT}")
 
 
@@ -135,16 +149,12 @@ def test_available_memory_is_read_from_the_system():
     assert found is not None and found[0] > 0
 
 
-def test_bench_reads_a_big_prompt_file_only_as_far_as_needed(tiny, env, tmp_path):
+def test_bench_reads_a_big_prompt_file_only_as_far_as_needed(tiny_hf, env, tmp_path):
     """A 1 MB --prompt-file: only the tokens the tests need are made, quickly, and transformers' 'longer than the
     maximum sequence length' warning never reaches stderr."""
     import json
-    import shutil
 
-    model = tmp_path / "m"
-    shutil.copytree(tiny, model)
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": CONTEXT}))
+    model = tiny_hf
     text = tmp_path / "prompt.txt"
     text.write_text("lorem ipsum " * 90_000)
     start = time.monotonic()
