@@ -10,6 +10,7 @@ import typer
 
 from . import options as o
 
+MICRO_MAX_ROWS, MICRO_MAX_CONTEXT = 4096, 262_144
 LIST_HELP = "llama-bench syntax: 512 | 128,256 | 128-512+128 | 64-1024*2"
 
 
@@ -118,11 +119,17 @@ def _microbench(names, n_depth, batch, repetitions, output, bandwidth, unused: d
     given = [flag for flag, value in unused.items() if value is not None]
     if given:
         raise InvalidParameter(f"{given[0]} does not apply to --microbench")
-    if repetitions < 1:
-        raise InvalidParameter(f"invalid repetitions {repetitions}: must be >= 1")
+    from ..bench.runner import MAX_REPETITIONS
+
+    if not 1 <= repetitions <= MAX_REPETITIONS:
+        raise InvalidParameter(f"invalid repetitions {repetitions}: must be between 1 and {MAX_REPETITIONS}")
     names = kb.check_shape_sets(names)
     contexts = [d for d in parse_int_list(n_depth, "context", minimum=0) if d > 0] or [512, 4096, 16384]
     rows = parse_int_list(batch, "rows") if batch is not None else [1, 4]
+    # Decode shapes: beyond these the buffers alone (rows x 14336 floats, a context of K and V) exhaust memory.
+    for values, name, top in ((rows, "rows (-b)", MICRO_MAX_ROWS), (contexts, "context (-d)", MICRO_MAX_CONTEXT)):
+        if max(values) > top:
+            raise InvalidParameter(f"invalid {name} {max(values)} for --microbench: must be at most {top:,}")
     fmt, out_path = report.output_target(output)
     with BenchProgress() as (progress, _):
         records = kb.run_kernel_bench(names, rows=rows, contexts=contexts, repeat=repetitions,

@@ -165,3 +165,35 @@ def test_bench_reads_a_big_prompt_file_only_as_far_as_needed(tiny_hf, env, tmp_p
     record = json.loads(proc.stdout)[0]
     assert record["workload"]["prompt_source"].startswith("file prompt.txt")
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (("-b", "100000"), ("invalid rows (-b) 100000 for --microbench", "at most 4,096")),
+    (("-d", "100000000"), ("invalid context (-d) 100000000", "at most 262,144")),
+    (("-r", "0"), ("invalid repetitions 0",)),
+])
+def test_microbench_shapes_are_bounded(env, flags, needles):
+    assert_one_line_error(run("bench", "--microbench", *flags, env=env), *needles)
+
+
+def test_tokenize_progress_is_a_bar_on_a_terminal_and_one_notice_elsewhere():
+    import io
+
+    from rich.console import Console
+
+    from mlxinfer.ui.progress import tokenize_progress
+
+    plain = io.StringIO()
+    with tokenize_progress(Console(file=plain, force_terminal=False)) as progress:
+        for done in (0, 16_384, 32_768):
+            progress("tokenize", done, 1_000_000)
+    assert plain.getvalue() == "tokenizing a long prompt (1,000,000 characters)...\n"
+    quiet = io.StringIO()
+    with tokenize_progress(Console(file=quiet, force_terminal=False)) as progress:
+        progress("tokenize", 500, 500)  # a short prompt reports only its end: no notice
+    assert quiet.getvalue() == ""
+    tty = io.StringIO()
+    with tokenize_progress(Console(file=tty, force_terminal=True, width=100)) as progress:
+        progress("tokenize", 0, 1_000_000)
+        progress("tokenize", 500_000, 1_000_000)
+    assert "Tokenizing the prompt" in tty.getvalue()
