@@ -38,11 +38,15 @@ def convert_cmd(
     group_size: Annotated[Optional[int], typer.Option("--group-size", "-g", help="Group size 32|64|128.")] = None,
     mode: Annotated[Optional[str], typer.Option("--mode", help="affine (default), or mxfp4/nvfp4/mxfp8 where "
                                                                "this MLX supports them.")] = None,
-    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Mixed precision: mixed_4_6, mixed_3_6, "
-                                                                         "mixed_2_6, or a TOML rules file.")] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Mixed precision as in mlx-lm: mixed_4_6, "
+                                                                         "mixed_3_6, mixed_3_4, mixed_2_6, or a TOML "
+                                                                         "rules file.")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="float16|bfloat16|float32 for unquantized "
                                                                  "tensors (default: the source's).")] = None,
     dequantize: Annotated[bool, typer.Option("--dequantize", help="Quantized source -> float weights.")] = False,
+    requantize: Annotated[bool, typer.Option(
+        "--requantize", help="Allow quantizing an already-quantized source to as few bits again (errors add up; "
+                             "without --bits/--recipe a quantized source keeps its format).")] = False,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace OUTPUT (and --alias) if it exists.")] = False,
     run_eval: Annotated[Optional[bool], typer.Option("--eval/--no-eval", help="Quality report vs the source "
                                                                               "(default: on for small models).",
@@ -63,6 +67,7 @@ def convert_cmd(
         raise InvalidParameter("--eval-tokens must be positive")
     opts = ConvertOptions(
         bits=bits, group_size=group_size, mode=mode, recipe=recipe, dtype=dtype, dequantize=dequantize,
+        requantize=requantize,
         force=force, eval=run_eval, eval_tokens=eval_tokens, shard_bytes=parse_size(shard_size),
         revision=revision, alias=alias,
     )

@@ -18,6 +18,7 @@ from ..errors import InvalidParameter, MlxinferError
 from ..fsutil import AtomicDir, write_failure
 from . import recipes as R
 from .output import OutputExists, check_not_source, check_output_path, check_replaceable, disk_error, is_model_file  # noqa: F401,E501
+from .requant import check_requantize
 from .source import SourceInfo, resolve_source
 
 Progress = Callable[[str, int, int], None]
@@ -43,6 +44,7 @@ class ConvertOptions:
     recipe: str | None = None          # built-in name or path of a TOML rules file
     dtype: str | None = None           # for unquantized tensors; default: the source's torch_dtype
     dequantize: bool = False
+    requantize: bool = False           # allow rounding an already-quantized source to as few bits again
     force: bool = False
     eval: bool | None = None           # None: on for small models
     eval_tokens: int | None = None     # None: 2048 on GPU backends, 128 on CPU
@@ -133,9 +135,7 @@ def _prepare_model(src_dir: Path, opts: ConvertOptions, recipe: R.Recipe | None,
     quantized_source = "quantization" in config
     if opts.dequantize and not quantized_source:
         raise InvalidParameter(f"--dequantize: {src_dir} is not quantized", hint="drop --dequantize")
-    if opts.dequantize or (recipe is not None and quantized_source):
-        if recipe is not None:
-            notes.append("the source was quantized: it was dequantized first, so errors add up")
+    if opts.dequantize or (recipe is not None and quantized_source):  # requant.check_requantize allowed it
         model = dequantize_model(model)
         config.pop("quantization", None)
         config.pop("quantization_config", None)
@@ -218,8 +218,9 @@ def convert(
     info = resolve_source(source, revision=opts.revision, progress=progress)
     check_not_source(out, info.path)
     size_before = info.size_bytes()
+    requant_note = check_requantize(info, recipe, opts.requantize)  # before any work: it may refuse
 
-    notes: list[str] = []
+    notes: list[str] = [requant_note] if requant_note else []
     with AtomicDir(out, describe_error=lambda e: disk_error(e, out)) as staging:
         _check_disk(out.parent, size_before if info.is_gguf else 0, "the conversion")
         try:

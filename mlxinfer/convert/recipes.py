@@ -93,6 +93,7 @@ class Recipe:
     default: QuantSetting
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     source: str = "built-in"        # "built-in" or the TOML file's path
+    mlx_lm: str | None = None       # an mlx-lm recipe name: its predicate builder decides the layers
 
     def with_overrides(self, bits: int | None, group_size: int | None, mode: str | None) -> "Recipe":
         """--bits / --group-size / --mode change the default; rules keep their own explicit values."""
@@ -112,24 +113,26 @@ class Recipe:
 
 
 def _sensitive_rules(high: int) -> tuple[Rule, ...]:
-    # llama.cpp's Q4_K_M choice: V and FFN-down projections of the first/last eighth of the layers (and every
-    # third layer in between) carry the most quantization error; embeddings and the output head likewise.
+    # mlx-lm's mixed recipes (after llama.cpp's Q4_K_M): the output head, and the V and FFN-down projections of
+    # the first/last eighth of the layers and every third layer in between, carry the most quantization error.
+    # Written as rules for the model card and for TOML authors; the decisions come from mlx-lm itself.
     return (
-        Rule("embed_tokens", bits=high),
-        Rule("lm_head", bits=high),
-        Rule("v_proj", layers="sensitive", bits=high),
-        Rule("down_proj", layers="sensitive", bits=high),
+        Rule("*lm_head*", bits=high),
+        Rule("*v_proj*", layers="sensitive", bits=high),
+        Rule("*v_a_proj*", layers="sensitive", bits=high),
+        Rule("*v_b_proj*", layers="sensitive", bits=high),
+        Rule("*down_proj*", layers="sensitive", bits=high),
     )
 
 
-BUILTIN: dict[str, Recipe] = {
-    "mixed_4_6": Recipe("mixed_4_6", "4-bit, 6-bit embeddings/lm_head and sensitive v/down projections",
-                        QuantSetting(4, 64), _sensitive_rules(6)),
-    "mixed_3_6": Recipe("mixed_3_6", "3-bit, 6-bit embeddings/lm_head and sensitive v/down projections",
-                        QuantSetting(3, 64), _sensitive_rules(6)),
-    "mixed_2_6": Recipe("mixed_2_6", "2-bit, 6-bit embeddings/lm_head and sensitive v/down projections",
-                        QuantSetting(2, 64), _sensitive_rules(6)),
-}
+def _mixed(low: int, high: int) -> Recipe:
+    name = f"mixed_{low}_{high}"
+    return Recipe(name, f"mlx-lm's {name}: {low}-bit, {high}-bit lm_head and sensitive v/down projections",
+                  QuantSetting(low, 64), _sensitive_rules(high), mlx_lm=name)
+
+
+# The names mlx-lm uses mean exactly what they mean there (mlx_lm.convert.mixed_quant_predicate_builder decides).
+BUILTIN: dict[str, Recipe] = {r.name: r for r in (_mixed(4, 6), _mixed(3, 6), _mixed(3, 4), _mixed(2, 6))}
 
 
 def uniform(bits: int | None, group_size: int | None, mode: str | None) -> Recipe:
@@ -305,9 +308,10 @@ def predicate(recipe: Recipe, model) -> Callable[[str, Any], bool | dict]:
     """
     n_layers = count_layers(model)
     default = recipe.default
+    setting = _mlx_lm_setting(recipe, model) if recipe.mlx_lm else (lambda p: setting_for(recipe, p, n_layers))
 
     def decide(path: str, module) -> bool | dict:
-        s = setting_for(recipe, path, n_layers)
+        s = setting(path)
         if s is None:
             return False
         if module.weight.shape[-1] % s.group_size != 0:
@@ -315,3 +319,27 @@ def predicate(recipe: Recipe, model) -> Callable[[str, Any], bool | dict]:
         return True if s == default else s.as_dict()
 
     return decide
+
+
+def _mlx_lm_setting(recipe: Recipe, model) -> Callable[[str], QuantSetting | None]:
+    """mlx-lm's own mixed predicate; its low-bit layers take our default (so --bits/--mode/--group-size apply to
+    them), its high-bit ones stay affine as in mlx-lm (group 64 under a fixed-group mode such as mxfp4)."""
+    from mlx_lm.convert import mixed_quant_predicate_builder
+
+    d = recipe.default
+    group = d.group_size if d.mode not in FIXED_MODES else 64
+    try:
+        mixed = mixed_quant_predicate_builder(recipe.mlx_lm, model, group_size=group)
+    except ValueError as e:
+        raise InvalidParameter(f"recipe {recipe.name}: {e}", hint="use --bits, or a TOML recipe") from None
+    low = int(recipe.mlx_lm.split("_")[1])
+
+    def setting(path: str) -> QuantSetting | None:
+        choice = mixed(path, None)
+        if choice is False:
+            return None
+        if not isinstance(choice, dict) or choice.get("bits") == low:
+            return d
+        return QuantSetting(choice["bits"], choice["group_size"], choice.get("mode", "affine"))
+
+    return setting

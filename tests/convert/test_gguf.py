@@ -51,3 +51,25 @@ def test_gguf_requantize_to_8_bit_with_quality(bundled_gguf, tmp_path):
 
     model, tokenizer = load(str(r.out_dir))
     assert model(mx.array([tokenizer.encode("Paris")])).shape[-1] == 49152
+
+
+@pytest.mark.slow
+def test_requantizing_the_q4_1_gguf_needs_a_flag_and_says_what_it_costs(bundled_gguf, tmp_path):
+    """Q4_1 (group 32) -> --bits 4 (group 64) rounds rounded weights again: refused with the sizes until
+    --requantize; without --bits the source keeps its format (test above). Issue #16."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "q4"
+    cmd = [sys.executable, "-m", "mlxinfer", "convert", str(bundled_gguf), "-o", str(out), "--bits", "4", "--no-eval"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    lines = [x for x in refused.stderr.splitlines() if x.strip()]
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "already quantized (GGUF Q4_1" in lines[0] and "about 4.50 bits per weight" in lines[0]
+    assert "--requantize" in lines[0] and not out.exists() and list(tmp_path.iterdir()) == []
+    done = subprocess.run([*cmd, "--requantize"], capture_output=True, text=True, timeout=600,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert "note: " in done.stdout and "dequantized first" in done.stdout
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert (q["bits"], q["group_size"]) == (4, 64)

@@ -37,16 +37,32 @@ def test_matching_and_first_rule_wins():
     assert not R.path_matches("proj", "model.layers.1.self_attn.q_proj")  # a bare name matches whole parts
 
 
-def test_builtin_recipes_keep_embeddings_and_head_high():
-    for name in ("mixed_2_6", "mixed_3_6", "mixed_4_6"):
-        r = R.BUILTIN[name]
-        R.validate(r)
-        low = int(name.split("_")[1])
-        assert R.setting_for(r, "model.embed_tokens", 24).bits == 6
-        assert R.setting_for(r, "lm_head", 24).bits == 6
-        assert R.setting_for(r, "model.layers.0.self_attn.v_proj", 24).bits == 6
-        assert R.setting_for(r, "model.layers.10.self_attn.v_proj", 24).bits == low
-        assert R.setting_for(r, "model.layers.0.self_attn.q_proj", 24).bits == low
+@pytest.mark.parametrize("name", ["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"])
+def test_builtin_recipes_mean_what_mlx_lm_means(name):
+    """Same name, same layers, same widths as mlx_lm.convert's own recipe (issue #16); the rules that describe it
+    in the model card agree with it too."""
+    from mlx_lm.convert import mixed_quant_predicate_builder
+    from mlx_lm.models import llama
+
+    model = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=24, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256, tie_word_embeddings=False))
+    r = R.BUILTIN[name]
+    R.validate(r)
+    ours, theirs = R.predicate(r, model), mixed_quant_predicate_builder(name, model, group_size=64)
+    compared = 0
+    for path, module in model.named_modules():
+        if not hasattr(module, "to_quantized"):
+            continue
+        mine = ours(path, module)
+        got = r.default.as_dict() if mine is True else mine
+        assert got == theirs(path, module), path
+        assert R.setting_for(r, path, 24).as_dict() == got, path
+        compared += 1
+    assert compared == 1 + 1 + 24 * 7  # embeddings, lm_head, 7 projections per layer
+    low, high = (int(b) for b in name.split("_")[1:])
+    assert ours("model.embed_tokens", model.model.embed_tokens) is True  # mlx-lm keeps embeddings at the low width
+    assert theirs("lm_head", None)["bits"] == high and r.default.bits == low
 
 
 def test_overrides():
