@@ -10,6 +10,8 @@ import typer
 
 from . import options as o
 
+MAX_STDIN_BYTES = 128 << 20  # ~30M tokens of text: beyond any context, so not worth holding in memory
+
 
 def generate_cmd(
     model: o.Model = None,
@@ -87,7 +89,10 @@ def read_stdin() -> str:
 
     if sys.stdin is None:
         raise InvalidParameter("stdin is closed", hint="pipe the prompt in, or pass it with -p 'text'")
-    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    data = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1) if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    if len(data) > MAX_STDIN_BYTES:
+        raise InvalidParameter(f"the prompt on stdin is over {MAX_STDIN_BYTES >> 20} MB, more than any model's "
+                               "context holds", hint="shorten the prompt")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -197,3 +197,8 @@ def test_tokenize_progress_is_a_bar_on_a_terminal_and_one_notice_elsewhere():
         progress("tokenize", 0, 1_000_000)
         progress("tokenize", 500_000, 1_000_000)
     assert "Tokenizing the prompt" in tty.getvalue()
+
+
+def test_stdin_beyond_any_context_is_not_read_whole(tiny, env):
+    proc = run("generate", str(tiny), "-p", "-", env=env, input=b"a" * ((128 << 20) + 1), timeout=120)
+    assert_one_line_error(proc, "the prompt on stdin is over 128 MB")
