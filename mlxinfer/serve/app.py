@@ -180,17 +180,21 @@ class Api:
                 return
 
     async def _collect(self, request: Request, ticket: Ticket, fmt: "Formatter", route: str) -> Response:
+        async def watch() -> None:
+            # The body has been read: the next message is the client hanging up (uvicorn keeps reading for it).
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.engine.cancel(ticket)
+            ticket.push(("gone",))
+
+        watcher = asyncio.create_task(watch())
         pieces, entries = [], []
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(ticket.queue.get(), 0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        self.engine.cancel(ticket)
-                        self.metrics.requests.labels(route, "499").inc()
-                        return Response(status_code=499)
-                    continue
+                event = await ticket.queue.get()
+                if event[0] == "gone":
+                    self.metrics.requests.labels(route, "499").inc()
+                    return Response(status_code=499)
                 if event[0] == "text":
                     pieces.append(event[1])
                     entries += event[2]
@@ -202,6 +206,8 @@ class Api:
         except asyncio.CancelledError:
             self.engine.cancel(ticket)
             raise
+        finally:
+            watcher.cancel()
 
     async def _stream(self, ticket: Ticket, fmt: "Formatter", route: str) -> AsyncIterator[str]:
         status = "499"  # until the stream ends on its own, the client went away

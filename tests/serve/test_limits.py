@@ -152,6 +152,18 @@ def test_full_queue_gets_429_and_a_cancelled_stream_frees_its_slot(limited):
     assert _wait(lambda: limited.health()["running"] == 0)
 
 
+def test_a_client_that_gives_up_on_a_whole_reply_frees_its_slot(limited):
+    key = ("mlxinfer_requests_total", (("route", "/v1/completions"), ("status", "499")))
+    before = limited.metrics().get(key, 0)
+    body = {"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 2000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client hangs up after 1.5 s of a ~2000-token reply
+        httpx.post(limited.url("/v1/completions"), json=body, headers=limited.headers(), timeout=1.5)
+    assert _wait(lambda: limited.health()["running"] == 0, timeout=10)
+    assert limited.metrics().get(key, 0) == before + 1
+    r = limited.client().completions.create(model="smollm2", prompt="Hello", max_tokens=2)  # the slot is free
+    assert r.usage.completion_tokens == 2
+
+
 def test_request_timeout_gets_503(tmp_path):
     srv = start_server(tmp_path, "--timeout", "1.5")
     try:
