@@ -135,7 +135,7 @@ def test_eight_concurrent_greedy_streams_equal_sequential_runs(server):
         if q == QUESTIONS[-2]:
             extra["extra_body"] = {"repetition_penalty": 1.3}
         chunks = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
-                                                max_tokens=24, stream=True, **extra)
+                                                max_tokens=16, stream=True, **extra)
         return "".join(c.choices[0].delta.content or "" for c in chunks)
 
     sequential = [ask(q) for q in QUESTIONS]
