@@ -171,8 +171,8 @@ class AtomicDir:
                     old.rmdir()
                 raise
             self.published = True
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+        if old is not None:  # signals welcome again: if one cuts this short, the next run sweeps the rest
+            shutil.rmtree(old, ignore_errors=True)
 
     def _cleanup(self) -> None:
         if self._fd is not None:

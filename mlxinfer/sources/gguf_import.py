@@ -282,10 +282,15 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
             raise failure from None
         if progress:
             progress("write", 0, 1)
-        staging.publish(replace=True)
+        if not _complete(out_dir):  # a concurrent import of the same file may have finished first: keep its copy
+            staging.publish(replace=True)
         if progress:
             progress("write", 1, 1)
     return out_dir
+
+
+def _complete(model_dir: Path) -> bool:
+    return (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
 
 
 def import_gguf(path: Path, progress: Progress | None = None) -> Path:
@@ -301,7 +306,7 @@ def import_gguf(path: Path, progress: Progress | None = None) -> Path:
     if progress:
         progress("hash", 1, 1)
     target = cache_root() / "gguf" / f"{digest[:24]}-v{IMPORT_VERSION}"
-    if not ((target / "config.json").exists() and (target / "model.safetensors").exists()):
+    if not _complete(target):
         convert_gguf(path, target, progress)
     _remember_digest(path, digest)  # only now: a failed import leaves nothing in the cache
     return target
