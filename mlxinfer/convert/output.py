@@ -74,7 +74,7 @@ def _check_writable_place(out: Path, text: str) -> None:
                             hint="choose an -o that is not inside a file")
     try:
         st = os.statvfs(p)
-    except OSError:
+    except (OSError, AttributeError):  # no statvfs (Windows): the write itself will tell
         return
     if st.f_blocks == 0:  # /proc, /sys: no storage behind it
         raise OutputRefused(f"-o {text}: {p} is a virtual file system, not a place for files",
