@@ -27,6 +27,8 @@ def generate_cmd(
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with the reply and stats.")] = False,
     kernels: o.Kernels = "auto",
+    pipeline: Annotated[bool, typer.Option("--pipeline", help="Under mlx.launch: split the layers into stages "
+                                           "(pipeline parallel) instead of tensor parallel.")] = False,
 ):
     """Generate a reply to one prompt."""
     from ..engine.generate import prompt_tokens, stream_generate
@@ -37,6 +39,12 @@ def generate_cmd(
 
     if prompt is None:
         raise InvalidParameter("no prompt given", hint="use -p 'your question', or -p - to read stdin")
+    from ..distributed import describe, enter
+
+    world = enter(pipeline)
+    if world is not None and prompt == "-":  # mlx.launch copies stdin to the ranks but never closes it
+        raise InvalidParameter("-p - cannot read stdin under mlx.launch (it never passes the end of input on)",
+                               hint="give the prompt with -p 'text' or -p \"$(cat file)\"")
     if prompt == "-":
         prompt = read_stdin()
     if not prompt.strip():
@@ -47,6 +55,8 @@ def generate_cmd(
                  max_tokens=max_tokens, seed=seed)
     o.sampling_from(spec.defaults, **flags)  # what needs no model is refused before the model loads
     loaded = load_model(spec, kernels=kernels)
+    if world is not None:
+        stderr_console().print(f"distributed: {describe(world)}", markup=False, soft_wrap=True)
     params = o.sampling_from(spec.defaults, loaded=loaded, **flags)
     if not raw:
         system = system if system is not None else spec.defaults.get("system")

@@ -188,6 +188,9 @@ def load(
     if progress:
         progress("load", 0, 1)
     net, config = load_model_dir(path, lazy=True)
+    from ..distributed import prepare  # under mlx.launch: keep only this rank's shard, before any weight is read
+
+    shard_line = prepare(net, config)
     dtype = apply_dtype_policy(net)
     try:
         mx.eval(net.parameters())
@@ -209,7 +212,7 @@ def load(
     report = apply_kernels(net, kernels)
     loaded = LoadedModel(
         model=net, tokenizer=tokenizer, config=config, path=path, spec=spec, backend=backend(), dtype=dtype,
-        kernels=report.name, kernels_detail=report.detail,
+        kernels=report.name, kernels_detail=report.detail + (f"; {shard_line}" if shard_line else ""),
         chat_template=spec.defaults.get("chat_template") or getattr(tokenizer, "chat_template", None),
         eos_token_ids=set(tokenizer.eos_token_ids or []) | set(eos),
     )

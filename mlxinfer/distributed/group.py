@@ -1,0 +1,186 @@
+"""The process group mlxinfer runs in under ``mlx.launch``: rank, world size, backend, and the watchdog.
+
+``setup()`` is called once by a command (chat, generate, bench) before the model loads. Outside ``mlx.launch``
+it returns None and nothing changes. Inside, it joins the group, agrees on one random seed (so sampling draws
+the same numbers on every rank), silences the terminal of every rank but 0 and starts a watchdog: a collective
+that waits longer than the timeout (a rank died or cannot be reached) ends the process with one line instead
+of a silent hang.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import MlxinferError
+
+TIMEOUT_VAR = "MLXINFER_DIST_TIMEOUT"   # seconds a collective may wait before the watchdog ends the process
+STRATEGY_VAR = "MLXINFER_PARALLEL"      # tensor | pipeline (the --pipeline flag sets pipeline)
+DEFAULT_TIMEOUT = 120.0
+
+
+class DistributedError(MlxinferError):
+    """A rank is gone or cannot be reached, or the group cannot run this model."""
+
+
+@dataclass
+class World:
+    group: object            # mx.distributed.Group
+    rank: int
+    size: int
+    backend: str             # ring | jaccl | nccl | mpi
+    strategy: str            # tensor | pipeline (what was asked; the plan may fall back to pipeline)
+    timeout: float
+    plan: dict = field(default_factory=dict)   # what the loader did: strategy, stage layers, fallbacks
+    comm_s: float = 0.0      # seconds spent waiting in hand-offs/collectives (bench)
+    watchdog: Optional["Watchdog"] = None
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def others(self) -> str:
+        peers = [r for r in range(self.size) if r != self.rank]
+        return f"rank {peers[0]}" if len(peers) == 1 else "one of ranks " + ", ".join(map(str, peers))
+
+
+_WORLD: Optional[World] = None
+
+
+def launched() -> bool:
+    """True in a process started by ``mlx.launch`` (or by hand with MLX's rank variables)."""
+    env = os.environ
+    return any(k in env for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")) and (
+        "MLX_HOSTFILE" in env or "MLX_JACCL_COORDINATOR" in env or "NCCL_HOST_IP" in env
+        or "OMPI_COMM_WORLD_SIZE" in env or "MLX_IBV_DEVICES" in env)
+
+
+def backend_name() -> str:
+    env = os.environ
+    if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
+        return "jaccl"
+    if "NCCL_HOST_IP" in env:
+        return "nccl"
+    if "MLX_HOSTFILE" in env:
+        return "ring"
+    return "mpi"
+
+
+def current() -> Optional[World]:
+    return _WORLD
+
+
+def _timeout() -> float:
+    raw = os.environ.get(TIMEOUT_VAR, "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT
+    except ValueError:
+        raise DistributedError(f"{TIMEOUT_VAR}={raw!r} is not a number of seconds", hint="e.g. 120") from None
+    if not value > 0:
+        raise DistributedError(f"{TIMEOUT_VAR}={raw!r} must be above 0", hint="e.g. 120")
+    return value
+
+
+def setup(pipeline: bool = False) -> Optional[World]:
+    """Join the group when started by ``mlx.launch`` (None otherwise). Idempotent."""
+    global _WORLD
+    if _WORLD is not None or not launched():
+        return _WORLD
+    import mlx.core as mx
+
+    strategy = "pipeline" if pipeline else os.environ.get(STRATEGY_VAR, "tensor").strip().lower() or "tensor"
+    if strategy not in ("tensor", "pipeline"):
+        raise DistributedError(f"{STRATEGY_VAR}={strategy!r} is not a strategy", hint="use tensor or pipeline")
+    timeout = _timeout()
+    name = backend_name()
+    try:
+        group = mx.distributed.init(strict=True, backend=name)
+    except (RuntimeError, ValueError) as e:
+        msg = (str(e).splitlines() or [""])[0]
+        raise DistributedError(f"cannot join the {name} group: {msg}",
+                               hint="check the hostfile and that every host runs the same mlxinfer") from None
+    world = World(group=group, rank=group.rank(), size=group.size(), backend=name, strategy=strategy,
+                  timeout=timeout)
+    if not world.leader:
+        silence()
+    world.watchdog = Watchdog(world)
+    _WORLD = world
+    if world.size > 1:
+        from .follow import broadcast_int
+
+        # One seed for all: with a seed given the sampler reseeds anyway; without, the draws must still agree.
+        seed = broadcast_int(int.from_bytes(os.urandom(4), "little") if world.leader else 0)
+        mx.random.seed(seed)
+    return world
+
+
+def silence() -> None:
+    """Followers print nothing: stdout and stderr (the C++ ones too) go to /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+class Watchdog:
+    """Ends the process with one line when the group has made no progress for longer than the timeout.
+
+    A forward pass beats (arms it and restarts the clock); waiting for the user (the leader at its prompt,
+    followers for the leader's next line) calls ``idle()``, which disarms it until the next beat.
+    """
+
+    def __init__(self, world: World):
+        self.world = world
+        self._since: Optional[float] = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="mlxinfer-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        with self._lock:
+            self._since = time.monotonic()
+
+    def idle(self) -> None:
+        with self._lock:
+            self._since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.world.timeout / 4))
+            with self._lock:
+                since = self._since
+            if since is not None and time.monotonic() - since > self.world.timeout:
+                fail(f"rank {self.world.rank} of {self.world.size} heard nothing from {self.world.others()} for "
+                     f"{self.world.timeout:g} s while generating: a rank died or cannot be reached "
+                     f"(raise {TIMEOUT_VAR} for slow links)")
+
+
+def fail(line: str, code: int = 1) -> None:
+    """Print one line (the leader only; followers are silent) and end the process now: the main thread may be
+    blocked inside a collective that will never return."""
+    try:
+        sys.stderr.write(f"error: {line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(code)
+
+
+def lost_peer(e: BaseException) -> Optional[DistributedError]:
+    """A backend error that means a peer is gone, as one line naming it (None for other errors)."""
+    world = _WORLD
+    msg = (str(e).strip().splitlines() or [""])[0]
+    if world is None or not isinstance(e, RuntimeError):
+        return None
+    if not any(w in msg.lower() for w in ("peer", "[ring]", "[jaccl]", "connection", "socket")):
+        return None
+    return DistributedError(f"lost {world.others()} (rank {world.rank} of {world.size}): {msg}",
+                            hint="a rank died or the network dropped; check its host and start again")
