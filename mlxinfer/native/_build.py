@@ -39,16 +39,26 @@ def sources_hash(source_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def mlx_root(python: str = sys.executable) -> Path:
+    """The installed mlx package folder (headers, libmlx, CMake config). mlx is a namespace package, so a stray
+    ``mlx/`` folder in the working directory (MLX itself makes ``/tmp/mlx/<version>/``) can come first in its
+    ``__path__``: take the entry that holds the headers."""
+    out = subprocess.run(
+        [python, "-c", "import mlx; print('\\n'.join(mlx.__path__))"], check=True, capture_output=True, text=True,
+    ).stdout.split("\n")
+    for entry in out:
+        if entry.strip() and (Path(entry.strip()) / "include" / "mlx" / "version.h").is_file():
+            return Path(entry.strip())
+    raise RuntimeError(f"the installed MLX has no C++ headers (looked in {', '.join(o for o in out if o.strip())})")
+
+
 def mlx_header_version(python: str = sys.executable) -> str:
     """major.minor.patch of the MLX headers the build will compile against (read from mlx/version.h)."""
-    out = subprocess.run(
-        [python, "-c", "import mlx, os; print(os.path.join(list(mlx.__path__)[0], 'include', 'mlx', 'version.h'))"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()
-    text = Path(out).read_text()
+    header = mlx_root(python) / "include" / "mlx" / "version.h"
+    text = header.read_text()
     parts = [re.search(rf"#define MLX_VERSION_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
     if not all(parts):
-        raise RuntimeError(f"cannot read the MLX version from {out}")
+        raise RuntimeError(f"cannot read the MLX version from {header}")
     return ".".join(m.group(1) for m in parts)
 
 
@@ -149,6 +159,7 @@ def build(source_dir: Path, output_dir: Path, *, jobs: Optional[int] = None,
         configure = [
             "cmake", "-S", str(source_dir), "-B", str(Path(tmp) / "build"), "-DCMAKE_BUILD_TYPE=Release",
             f"-DPython_EXECUTABLE={sys.executable}", f"-DMLXINFER_OUTPUT_DIR={out_tmp}", *_rpath_flags(),
+            f"-DMLX_ROOT={mlx_root() / 'share' / 'cmake' / 'MLX'}",
         ]
         compile_ = ["cmake", "--build", str(Path(tmp) / "build"), f"-j{jobs or os.cpu_count() or 1}"]
         for cmd in (configure, compile_):

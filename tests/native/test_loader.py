@@ -241,3 +241,15 @@ def test_installer_for_venvs_without_pip(monkeypatch):
     assert _build.installer() is None
     with pytest.raises(RuntimeError, match="no pip or uv"):
         _build.install_tools([_build.NANOBIND], Path("/nonexistent"))
+
+
+def test_mlx_headers_found_past_a_stray_mlx_folder(tmp_path, monkeypatch):
+    """MLX makes /tmp/mlx/<version>/; run from /tmp, that folder was mlx.__path__[0] and the build looked for the
+    headers there."""
+    (tmp_path / "mlx" / "0.32.3").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    root = _build.mlx_root()
+    assert root != tmp_path / "mlx" and (root / "include" / "mlx" / "version.h").is_file()
+    import mlx.core as mx
+
+    assert _build.mlx_header_version() == mx.__version__.split(".dev")[0]
