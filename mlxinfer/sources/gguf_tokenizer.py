@@ -204,6 +204,11 @@ def _token(meta: dict, key: str) -> str | None:
 
 def check_tokenizer(meta: dict[str, Any]) -> None:
     """Raise ``InvalidModel`` unless ``write_tokenizer`` can rebuild this GGUF's tokenizer."""
+    for key in ("model", "pre"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and not isinstance(value, str):
+            raise InvalidModel(f"GGUF metadata 'tokenizer.ggml.{key}' is {value!r:.40}, not a name",
+                               hint="the file is corrupt")
     model = meta.get("tokenizer.ggml.model")
     if model not in SUPPORTED_MODELS:
         raise InvalidModel(f"unsupported GGUF tokenizer model '{model}'",
@@ -215,6 +220,13 @@ def check_tokenizer(meta: dict[str, Any]) -> None:
         if value is not None and (not isinstance(value, list) or not all(isinstance(v, kinds) for v in value)):
             raise InvalidModel(f"GGUF metadata 'tokenizer.ggml.{key}' is not a list of "
                                f"{'strings' if kinds is str else 'numbers'}", hint="the file is corrupt")
+        if key in ("token_type", "scores") and value and len(value) != len(meta["tokenizer.ggml.tokens"]):
+            raise InvalidModel(f"GGUF metadata 'tokenizer.ggml.{key}' has {len(value)} entries for "
+                               f"{len(meta['tokenizer.ggml.tokens'])} tokens", hint="the file is corrupt")
+    for key in sorted(k for k in meta if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")):
+        value = meta[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InvalidModel(f"GGUF metadata '{key}' is {value!r:.40}, not a token id", hint="the file is corrupt")
     if model == "gpt2":
         _pre_kind(meta.get("tokenizer.ggml.pre"))
 

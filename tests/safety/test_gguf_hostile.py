@@ -4,6 +4,7 @@ written). The files are tiny llamas crafted here with ``gguf.GGUFWriter``; an un
 
 from __future__ import annotations
 
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -164,3 +165,30 @@ def test_the_untouched_file_imports_and_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert any(p.name == "model.safetensors" for p in cache.rglob("*"))
     assert not [p for p in cache.rglob(".*.tmp-*")]
+
+
+GARBAGE = ["text", -1, 0, 2**40, 1.5, float("inf"), True, [1, 2], ["a", "b"]]
+
+
+def test_every_metadata_key_garbled_fails_cleanly(tmp_path, monkeypatch):
+    """Each metadata key replaced by each kind of garbage, imported in-process: it either imports or raises the
+    one-line InvalidModel, never another exception (an exit 1), and a failure leaves the cache empty."""
+    from mlxinfer.errors import InvalidModel
+    from mlxinfer.sources.gguf_import import import_gguf
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MLXINFER_CACHE", str(cache))
+    outcomes = {"imported": 0, "refused": 0}
+    for key in base_meta():
+        for i, value in enumerate(GARBAGE):
+            path = make_gguf(tmp_path / f"g{i}.gguf", {key: value})
+            try:
+                import_gguf(path)
+                outcomes["imported"] += 1
+                shutil.rmtree(cache)
+            except InvalidModel as e:
+                outcomes["refused"] += 1
+                assert "\n" not in str(e)
+                assert _cache_files(cache) == [], (key, value)
+            path.unlink()
+    assert outcomes["refused"] > 100 and outcomes["imported"] > 5, outcomes
