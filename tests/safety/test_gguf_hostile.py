@@ -5,6 +5,7 @@ written). The files are tiny llamas crafted here with ``gguf.GGUFWriter``; an un
 from __future__ import annotations
 
 import shutil
+import re
 import struct
 import time
 from pathlib import Path
@@ -192,3 +193,19 @@ def test_every_metadata_key_garbled_fails_cleanly(tmp_path, monkeypatch):
                 assert _cache_files(cache) == [], (key, value)
             path.unlink()
     assert outcomes["refused"] > 100 and outcomes["imported"] > 5, outcomes
+
+
+def test_every_tensor_misshapen_is_refused(tmp_path, monkeypatch):
+    """Each tensor one row longer, flattened or given an extra leading axis: refused by name, cache empty."""
+    from mlxinfer.errors import InvalidModel
+    from mlxinfer.sources.gguf_import import import_gguf
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MLXINFER_CACHE", str(cache))
+    for name, shape in base_shapes().items():
+        for bad in ((shape[0] + 1, *shape[1:]), (int(np.prod(shape)),) if len(shape) > 1 else (1, *shape),
+                    (1, *shape)):
+            path = make_gguf(tmp_path / "m.gguf", shapes={name: bad})
+            with pytest.raises(InvalidModel, match=re.escape(name)):
+                import_gguf(path)
+            assert _cache_files(cache) == [], (name, bad)
