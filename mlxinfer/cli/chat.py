@@ -31,6 +31,8 @@ Fork = Annotated[
 ]
 Plain = Annotated[bool, typer.Option("--plain", help="No UI: read messages from stdin line by line, print replies.")]
 Think = Annotated[Optional[str], typer.Option("--think", help="Reasoning blocks: on (dimmed), hide, or off.")]
+Pipeline = Annotated[bool, typer.Option("--pipeline", help="Under mlx.launch: split the layers into stages "
+                                        "(pipeline parallel) instead of tensor parallel.")]
 
 
 def _open_session(session: str | None, fork: str | None):
@@ -92,6 +94,7 @@ def chat(
     plain: Plain = False,
     think: Think = None,
     kernels: o.Kernels = "auto",
+    pipeline: Pipeline = False,
 ):
     """Chat with a model in the terminal (default: the bundled smollm2)."""
     from ..engine.session import Session
@@ -104,6 +107,14 @@ def chat(
     flags = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
                  max_tokens=max_tokens, seed=seed)
     o.sampling_from(None, **flags)  # a bad flag fails before anything is locked or loaded
+    from ..distributed import enter
+
+    world = enter(pipeline)
+    if world is not None and session:
+        from ..errors import InvalidParameter
+
+        raise InvalidParameter("--session is not available under mlx.launch (every rank would need the file)",
+                               hint="chat without --session; /save NAME on rank 0 still saves")
     lock, saved, name = _open_session(session, fork)
     app = None
     try:
@@ -126,6 +137,12 @@ def chat(
         app = ChatApp(chat_session, make_view(plain), None, kernels=kernels, show_stats=not plain,
                       session_name=name, autosave=name is not None, registry=registry, lock=lock)
         app.reader = make_reader(plain, completer=None if plain else completer_for(app))
+        if world is not None:  # rank 0 reads and broadcasts each line; the others run the same lines
+            from ..distributed import describe, follow
+
+            app.world = world
+            app.reader = follow.LeaderReader(app.reader) if world.leader else follow.FollowerReader()
+            app.view.notice(describe(world))
         if fork is not None:
             if app.save(name, quiet=True):
                 app.view.notice(f"continuing a copy of session '{session}' as '{name}' (saved after every reply)")

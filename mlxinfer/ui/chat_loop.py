@@ -85,6 +85,7 @@ class ChatApp:
         self.registry = registry
         self._load_model = load_model
         self.typed_ahead = ""              # keys typed while the last reply streamed: the next prompt's text
+        self.world = None                  # under mlx.launch (mlxinfer.distributed.World): rank 0 leads, others follow
 
     # ----- models -----
     def load_model(self, arg: str):
@@ -187,6 +188,9 @@ class ChatApp:
     def save(self, name: str, quiet: bool = False) -> bool:
         from ..engine import store
 
+        if self.world is not None and not self.world.leader:
+            return True  # the leader writes the one copy; a follower on the same host would fight it for the lock
+
         try:
             self.bind(name, hint="save under another name, or close that chat first")
             with _termination_held():
@@ -272,6 +276,9 @@ class ChatApp:
             if not text.strip():
                 continue
             if is_command(text):
+                if self.world is not None and text.strip().split()[0] == "/load":
+                    self.view.error("/load is not available under mlx.launch (each rank would need the file)")
+                    continue
                 try:
                     if dispatch(self, text.strip()) == "exit":
                         break
