@@ -4,7 +4,8 @@ One piece of code for every directory mlxinfer writes whole (convert's output, t
 
 - ``AtomicDir(target)`` makes ``.NAME.tmp-PID-XXXX`` beside ``target`` and holds an ``flock`` on it while it is in
   use. Any exit without ``publish()`` (an error, Ctrl-C, SIGTERM/SIGHUP as ``Terminated``) removes it, with those
-  signals held back so a second one cannot cut the cleanup short; parent folders it had to create go too.
+  signals held back (``signals_deferred``) so another one cannot cut the cleanup or the final rename short; parent
+  folders it had to create go too.
 - ``sweep_stale(parent, name)`` removes what a run killed outright (SIGKILL, power loss) left: only our own temp
   names, only when the pid in the name is gone *and* nobody holds the directory's lock (a concurrent run in another
   pid namespace keeps its lock).
@@ -35,16 +36,27 @@ class WriteFailed(MlxinferError):
 
 @contextlib.contextmanager
 def signals_deferred():
-    """Hold back Ctrl-C / SIGTERM / SIGHUP in the main thread until the block ends (cleanup must not be cut short)."""
-    blockable = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
-    if not blockable:
+    """Hold back Ctrl-C / SIGTERM / SIGHUP until the block ends (cleanup must not be cut short), then deliver them.
+
+    The Python handlers are swapped for a recorder: masking the main thread alone would not do, since the kernel
+    hands a process signal to any thread (MLX's, numpy's) and Python then runs the handler in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+    pending: list[int] = []
+    previous = {}
+    for signum in _DEFERRED:
+        try:
+            previous[signum] = signal.signal(signum, lambda n, _f: pending.append(n))
+        except (ValueError, OSError):
+            continue
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a pending signal is delivered here
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)  # the restored handler runs now (Terminated, KeyboardInterrupt, ...)
 
 
 def pid_alive(pid: int) -> bool:

@@ -124,3 +124,52 @@ def test_sigkill_leftovers_are_swept_by_the_next_convert(tmp_path, bundled_gguf)
     done = run("convert", str(small), "-o", str(out), "--bits", "4", "--no-eval", env={"MLXINFER_CACHE": str(cache)})
     assert done.returncode == 0, done.stderr
     assert not tmp.exists() and (out / "config.json").exists() and _temp_dirs(tmp_path) == []
+
+
+# -- the shared temp-dir code itself (mlxinfer.fsutil), in-process ------------------------------------------
+@pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt(), "terminated"])
+def test_atomic_dir_leaves_nothing_on_any_exit(tmp_path, exc):
+    from mlxinfer.errors import Terminated
+    from mlxinfer.fsutil import AtomicDir
+
+    exc = Terminated(signal.SIGTERM) if exc == "terminated" else exc
+    target = tmp_path / "a" / "b" / "out"  # two parent folders it has to create
+    with pytest.raises(type(exc)):
+        with AtomicDir(target) as d:
+            (d.path / "weights").write_bytes(b"x" * 1000)
+            raise exc
+    assert list(tmp_path.iterdir()) == []  # the temp dir and the folders made for it are gone
+
+
+def test_atomic_dir_publish_replaces_whole(tmp_path):
+    from mlxinfer.fsutil import AtomicDir
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.safetensors").write_text("old")
+    with AtomicDir(target) as d:
+        (d.path / "new.safetensors").write_text("new")
+        d.publish(replace=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert [p.name for p in target.iterdir()] == ["new.safetensors"]
+
+
+def test_signals_wait_for_cleanup_to_finish(tmp_path):
+    """SIGTERM during a cleanup block is delivered after it, so the cleanup is never cut short."""
+    from mlxinfer.errors import Terminated
+    from mlxinfer.fsutil import signals_deferred
+
+    def handler(signum, _frame):
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    done = []
+    try:
+        with pytest.raises(Terminated):
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                done.append("cleanup finished")
+        assert done == ["cleanup finished"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
