@@ -94,9 +94,12 @@ class Engine:
                 self.metrics.queue_depth.set(len(self._waiting))
             for t in expired:
                 t.push(("error", ApiError(503, "the request timed out in the queue", code="timeout")))
-            try:
-                for t in new:
+            for t in new:
+                try:
                     self._admit(t)
+                except Exception as e:  # noqa: BLE001 - e.g. a cache the model cannot make: this request fails
+                    t.push(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}")))
+            try:
                 self._reap()
                 if self._prefilling:
                     self._prefill_step()

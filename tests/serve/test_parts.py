@@ -98,3 +98,60 @@ def test_text_parts_and_developer_role_are_accepted():
                                          {"role": "assistant", "content": None}]})
     assert msgs == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
                     {"role": "assistant", "content": ""}]
+
+
+def test_a_failing_step_fails_its_requests_not_the_engine():
+    import asyncio
+    import dataclasses
+
+    import mlxinfer
+    from mlxinfer.serve.metrics import Metrics
+    from mlxinfer.serve.scheduler import Engine
+    from mlxinfer.serve.sequence import Ticket
+
+    loaded = mlxinfer.load("smollm2")
+
+    class Flaky:
+        calls = 0
+
+        def __getattr__(self, name):  # layers, make_cache... as the real model's
+            return getattr(loaded.model, name)
+
+        def __call__(self, *args, **kwargs):
+            Flaky.calls += 1
+            if Flaky.calls == 3:  # the third forward pass (a decode step) fails
+                raise RuntimeError("simulated failure")
+            return loaded.model(*args, **kwargs)
+
+    engine = Engine(dataclasses.replace(loaded, model=Flaky()), Metrics(), parallel=2)
+    job = s.Job("completion", mlxinfer.engine.generate.encode_prompt(loaded, "The sky is"),
+                mlxinfer.SamplingParams(temperature=0), 6)
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        out = []
+        for _ in range(2):
+            t = Ticket(job, loop, asyncio.Queue())
+            engine.submit(t)
+            events = []
+            while not events or events[-1][0] == "text":
+                events.append(await asyncio.wait_for(t.queue.get(), 60))
+            out.append(events[-1])
+        return out
+
+    engine.start()
+    try:
+        first, second = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert first[0] == "error" and first[1].status == 500 and "simulated failure" in first[1].message
+    assert second[0] == "done" and second[2]["completion_tokens"] == 6
+
+    # A request that fails before it runs (here: no KV cache can be made for this "model") still gets its error.
+    engine = Engine(dataclasses.replace(loaded, model=object()), Metrics())
+    engine.start()
+    try:
+        failed, _ = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert failed[0] == "error" and failed[1].status == 500
