@@ -10,6 +10,7 @@ of a silent hang.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -108,6 +109,7 @@ def setup(pipeline: bool = False) -> Optional[World]:
     if not world.leader:
         silence()
     world.watchdog = Watchdog(world)
+    _stop_on_signals(world)
     _WORLD = world
     if world.size > 1:
         from .follow import broadcast_int
@@ -141,6 +143,7 @@ class Watchdog:
         self.world = world
         self._since: Optional[float] = None
         self._lock = threading.Lock()
+        self._signals = _signal_pipe()
         self._thread = threading.Thread(target=self._watch, name="mlxinfer-watchdog", daemon=True)
         self._thread.start()
 
@@ -153,14 +156,65 @@ class Watchdog:
             self._since = None
 
     def _watch(self) -> None:
+        import select
+
+        stopped_at, signum = None, 0
         while True:
-            time.sleep(min(1.0, self.world.timeout / 4))
+            wait = min(1.0, self.world.timeout / 4)
+            if self._signals is not None and select.select([self._signals], [], [], wait)[0]:
+                got = os.read(self._signals, 64)
+                term = [b for b in got if b in _STOP_SIGNALS]
+                if term and stopped_at is None:
+                    stopped_at, signum = time.monotonic(), term[0]
+            elif self._signals is None:
+                time.sleep(wait)
+            if stopped_at is not None and time.monotonic() - stopped_at > _SIGNAL_GRACE:
+                # mlx.launch ends the others when a rank exits; a main thread stuck in a collective never gets to
+                # run Python's handler for that signal, so the watchdog ends the process in its place.
+                fail(_stopped_line(self.world), 128 + signum)
             with self._lock:
                 since = self._since
             if since is not None and time.monotonic() - since > self.world.timeout:
                 fail(f"rank {self.world.rank} of {self.world.size} heard nothing from {self.world.others()} for "
                      f"{self.world.timeout:g} s while generating: a rank died or cannot be reached "
                      f"(raise {TIMEOUT_VAR} for slow links)")
+
+
+_STOP_SIGNALS = {int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, n)}
+_SIGNAL_GRACE = 3.0  # seconds the main thread has to handle a signal itself before the watchdog steps in
+
+
+def _stopped_line(world: World) -> str:
+    return (f"rank {world.rank} of {world.size} stopped: {world.others()} ended or cannot be reached "
+            "(mlx.launch names its exit above)")
+
+
+def _stop_on_signals(world: World) -> None:
+    """mlx.launch sends SIGTERM to the other ranks when one exits: say which, once, and end at once (a rank's
+    collectives cannot finish without it; under mlx.launch there is no session file to save)."""
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            try:
+                signal.signal(getattr(signal, name), lambda signum, _f: fail(_stopped_line(world), 128 + signum))
+            except ValueError:  # not the main thread
+                return
+
+
+def _signal_pipe() -> Optional[int]:
+    """A pipe the C-level signal handler writes each signal number to (``signal.set_wakeup_fd``): the watchdog
+    sees a SIGTERM even while the main thread is blocked in C++. None when it cannot be set (not the main thread,
+    or someone else, e.g. an asyncio loop, owns the wakeup fd)."""
+    try:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        if signal.set_wakeup_fd(w, warn_on_full_buffer=False) != -1:
+            signal.set_wakeup_fd(-1)
+            os.close(r)
+            os.close(w)
+            return None
+        return r
+    except (ValueError, OSError):
+        return None
 
 
 def fail(line: str, code: int = 1) -> None:
@@ -172,15 +226,3 @@ def fail(line: str, code: int = 1) -> None:
     except (OSError, ValueError):
         pass
     os._exit(code)
-
-
-def lost_peer(e: BaseException) -> Optional[DistributedError]:
-    """A backend error that means a peer is gone, as one line naming it (None for other errors)."""
-    world = _WORLD
-    msg = (str(e).strip().splitlines() or [""])[0]
-    if world is None or not isinstance(e, RuntimeError):
-        return None
-    if not any(w in msg.lower() for w in ("peer", "[ring]", "[jaccl]", "connection", "socket")):
-        return None
-    return DistributedError(f"lost {world.others()} (rank {world.rank} of {world.size}): {msg}",
-                            hint="a rank died or the network dropped; check its host and start again")

@@ -1,0 +1,69 @@
+"""A rank killed mid-generation: the other exits within the timeout with one line naming the rank, never a hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from dist_cli import launch_cmd, needs_launch, tiny_llama
+
+pytestmark = needs_launch
+
+
+def _rank_pids(launcher: int, rank: int) -> list[int]:
+    """Our launcher's rank processes (found by their MLX_RANK; other test runs may have their own)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if b"mlxinfer" in cmd and f"MLX_RANK={rank}".encode() in env and _descends(parent, launcher):
+            found.append(int(pid))
+    return found
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
+
+
+def test_killing_a_rank_mid_generation_ends_the_other_with_one_line(tmp_path):
+    model = tiny_llama(tmp_path / "m")
+    cmd = launch_cmd("generate", model, "--raw", "-p", "tell me", "--temp", "1", "--seed", "3", "--max-tokens", "480")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "MLXINFER_DIST_TIMEOUT": "20"})
+    try:
+        os.set_blocking(proc.stdout.fileno(), False)
+        out, start = b"", time.monotonic()
+        while len(out) < 8 and time.monotonic() - start < 120 and proc.poll() is None:  # generation has begun
+            out += proc.stdout.read() or b""
+            time.sleep(0.05)
+        assert len(out) >= 8, "generation never started"
+        victims = _rank_pids(proc.pid, 1)
+        assert victims, "rank 1 not found"
+        for pid in victims:
+            os.kill(pid, 9)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - killed < 30  # within the timeout, not a hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = err.decode("utf-8", "replace")
+    assert "Node with rank 1 exited with code -9" in err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: rank 0 of 2 stopped: rank 1 ended or cannot be reached (mlx.launch names its exit "
+                      "above)"], err
+    assert "Traceback" not in err
