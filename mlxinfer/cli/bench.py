@@ -51,6 +51,8 @@ def bench_cmd(
         "--microbench", help="Time the custom kernels against MLX's built-ins at 1B-8B decode shapes instead "
         "(MODELS: shape sets; -b: rows, -d: attention contexts, -r: timed evaluations)."
     )] = False,
+    pipeline: Annotated[bool, typer.Option("--pipeline", help="Under mlx.launch: split the layers into stages "
+                                           "(pipeline parallel) instead of tensor parallel.")] = False,
 ):
     """Benchmark local inference: prefill and decode separately, TTFT, per-token latency, memory, bandwidth."""
     from ..bench import report
@@ -74,6 +76,9 @@ def bench_cmd(
     ).validate()
     fmt, out_path = report.output_target(output)
     baseline = report.load_baseline(compare) if compare is not None else None
+    from ..distributed import enter
+
+    world = enter(pipeline)
     registry = Registry.load()
     specs = [registry.resolve(m) for m in (models or [None])]
 
@@ -94,6 +99,12 @@ def bench_cmd(
             report.write_atomic(out_path, report.render(finished, fmt, baseline))
             print(f"\nsaved the {len(finished)} finished records to {out_path}", file=sys.stderr)
         raise
+    if world is not None:  # world size, strategy, per-rank peak memory, communication per token; rank 0 reports
+        from ..distributed.bench import annotate
+
+        records = annotate(records, world)
+        if not world.leader:
+            return
 
     if fmt is not None and out_path is None:
         if not stream_jsonl:

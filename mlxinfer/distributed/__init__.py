@@ -40,6 +40,8 @@ def prepare(model, config: dict) -> Optional[str]:
     if plan["strategy"] == "tensor":
         owner = pipeline.layer_owner(model)
         owner["layers"][0] = pipeline.Beat(owner["layers"][0], world)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    plan.update(hidden=int(text.get("hidden_size") or 0), n_layers=int(text.get("num_hidden_layers") or 0))
     world.plan = plan
     if plan["strategy"] == "tensor":
         plan["kernels"] = ("sharded linear layers run MLX's built-in quantized matmul and the fused decoder "
