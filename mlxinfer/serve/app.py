@@ -92,14 +92,22 @@ class Api:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.model_id, **self.engine.snapshot()})
 
+    def _model_object(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlxinfer",
+                "context_length": self.loaded.context_length}
+
     async def models(self, request: Request) -> Response:
         try:
             self._auth(request)
+            name = request.path_params.get("model")
+            if name is None:
+                return JSONResponse({"object": "list", "data": [self._model_object()]})
+            if name not in self.names:
+                raise s.ApiError(404, f"the model '{name}' does not exist here; this server runs '{self.model_id}'",
+                                 param="model", code="model_not_found")
+            return JSONResponse(self._model_object())
         except s.ApiError as e:
             return self._error("/v1/models", e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlxinfer",
-             "context_length": self.loaded.context_length}]})
 
     async def metrics_route(self, request: Request) -> Response:
         try:
@@ -320,6 +328,7 @@ def create_app(loaded, opts: ServeOptions) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.models, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
     ]

@@ -117,6 +117,9 @@ def test_models_and_unknown_model(server):
     client = server.client()
     ids = [m.id for m in client.models.list()]
     assert ids == ["smollm2"]
+    assert client.models.retrieve("smollm2").id == "smollm2"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-9", messages=QUESTION, max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
