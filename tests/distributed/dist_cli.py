@@ -71,9 +71,11 @@ def distributed_line(err: str) -> str:
     return lines[0]
 
 
-def tiny_llama(d: Path, layers: int = 4, heads: int = 4, kv_heads: int = 2) -> str:
-    """A tiny random llama (byte tokenizer) with even head counts, so tensor parallel can shard it."""
+def tiny_llama(d: Path, layers: int = 4, heads: int = 4, kv_heads: int = 2, bits: int | None = None) -> str:
+    """A tiny random llama (byte tokenizer) with even head counts, so tensor parallel can shard it; ``bits``:
+    quantized (group 32) like the models people run."""
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
@@ -83,7 +85,11 @@ def tiny_llama(d: Path, layers: int = 4, heads: int = 4, kv_heads: int = 2) -> s
                            vocab_size=256, max_position_embeddings=512)
     mx.random.seed(1)  # with this seed neither test prompt starts with the end token
     model = llama.Model(args)
+    config = vars(args)
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
+        config = {**config, "quantization": {"group_size": 32, "bits": bits}}
     mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (d / "config.json").write_text(json.dumps(vars(args)))
+    (d / "config.json").write_text(json.dumps(config))
     _write_byte_tokenizer(d)
     return str(d)

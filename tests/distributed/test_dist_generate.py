@@ -15,6 +15,11 @@ def tiny(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "m")
 
 
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "q4", bits=4)
+
+
 def _reference(*args):
     proc = single("generate", *args, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -37,14 +42,15 @@ def test_smollm2_falls_back_to_pipeline_and_matches_one_process(smollm2_dir):
 
 
 @pytest.mark.parametrize("strategy", ["tensor", "pipeline"])
-def test_tiny_llama_matches_one_process(tiny, strategy):
+def test_tiny_llama_matches_one_process(tiny, tiny_q4, strategy):
     # Sampled (temperature 1, fixed seed): varied tokens (a random model's greedy reply repeats one byte), and
     # the ranks must draw the same numbers. Greedy decoding is checked on the real model above.
     sampled = ("--raw", "-p", "tell me a story", "--temp", "1", "--seed", "7", "--max-tokens", "24")
     flags = ("--pipeline",) if strategy == "pipeline" else ()
     for args in (sampled,):
-        ref = _reference(tiny, *args)
-        proc = launch("generate", tiny, *args, "--json", *flags)
+        model = tiny_q4 if strategy == "tensor" else tiny  # tensor: mlx's quantized sharded layers
+        ref = _reference(model, *args)
+        proc = launch("generate", model, *args, "--json", *flags)
         assert proc.returncode == 0, proc.stderr
         got = json_line(proc.stdout)
         assert got["text"] == ref["text"] and got["generation_tokens"] == 24
@@ -52,6 +58,8 @@ def test_tiny_llama_matches_one_process(tiny, strategy):
         assert line.startswith(f"distributed: {strategy} parallel over 2 ranks (ring), rank 0")
         if strategy == "pipeline":
             assert "layers 0-1 of 4" in line
+        else:
+            assert "sharded linear layers run MLX's built-in quantized matmul" in line
 
 
 def test_stdin_prompt_is_refused_under_launch(tiny):
