@@ -5,6 +5,11 @@ step's graph built while the current one evaluates, the cache holding every yiel
 only and never normalises the logits: the samplers are shift-invariant, so greedy decoding takes the raw logits
 and the others the logits minus their max. ``generate_step`` computes ``logits - logsumexp(logits)`` every step,
 which on MLX's CPU build costs ~0.6 ms for a 49k vocabulary: 5-7% of a SmolLM2 decode step.
+
+The LM head runs only where logits are used: the prompt's chunks evaluate only the cache (MLX is lazy, so their
+logits are built but never computed) and the first token comes from the last prompt position alone; a 262k-token
+vocabulary is multiplied once per prompt (tests/unit/test_prefill_head.py). Keep it so: never evaluate a chunk's
+output.
 """
 
 from __future__ import annotations

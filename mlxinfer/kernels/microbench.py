@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxinfer.kernels.patch import backend, select_provider
+from mlxinfer.kernels.provider import FusedMLP, QuantizedAttention
 
 # name: (hidden, intermediate, q heads, kv heads, head dim)
 MODELS = {
@@ -84,8 +85,9 @@ def matmul_rows(provider, hidden, inter, hq, hkv, d, dtype, m, gs, bits, repeat)
         g = mx.quantized_matmul(x, *gate, transpose=True, group_size=gs, bits=bits)
         return nn.silu(g) * mx.quantized_matmul(x, *up, transpose=True, group_size=gs, bits=bits)
 
-    swiglu = getattr(provider, "swiglu", None)
-    custom = None if swiglu is None else lambda: swiglu(x, gate, up, group_size=gs, bits=bits)
+    custom = None
+    if isinstance(provider, FusedMLP):
+        custom = lambda: provider.swiglu(x, gate, up, group_size=gs, bits=bits)  # noqa: E731
     yield _row("swiglu", f"M={m} 2x{inter}x{hidden} {bits}b/g{gs}", dtype, builtin_swiglu, custom, repeat)
 
 
@@ -106,9 +108,10 @@ def attention_rows(provider, hq, hkv, d, dtype, contexts, repeat) -> Iterable[Be
         mx.eval(kt, vt)
         builtin_q = lambda kt=kt, vt=vt: quantized_scaled_dot_product_attention(
             q, kt, vt, scale=scale, mask=None, group_size=64, bits=8)
-        qsdpa = getattr(provider, "quantized_sdpa", None)
-        custom_q = None if qsdpa is None else (
-            lambda kt=kt, vt=vt: qsdpa(q, kt, vt, scale=scale, mask=None, group_size=64, bits=8))
+        custom_q = None
+        if isinstance(provider, QuantizedAttention):
+            custom_q = lambda kt=kt, vt=vt: provider.quantized_sdpa(  # noqa: E731
+                q, kt, vt, scale=scale, mask=None, group_size=64, bits=8)
         yield _row("sdpa-q8", f"Hq={hq} Hkv={hkv} D={d} S={s}", dtype, builtin_q, custom_q, repeat)
 
 

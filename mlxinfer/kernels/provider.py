@@ -1,20 +1,20 @@
-"""The kernel-provider contract shared by the Metal/CUDA kernels and the native CPU kernels.
+"""The kernel-provider contract shared by the Metal/CUDA kernels and the native CPU kernels, as small Protocols.
 
-A provider offers faster versions of the two operations that dominate decoding. Every method may return
-``None`` to say "this shape/dtype is not mine": ``kernels.patch`` then calls the MLX built-in instead, so a
-provider only needs to cover the cases it is good at.
+A provider offers faster versions of the operations that dominate decoding. Every method may return ``None`` to
+say "this shape/dtype is not mine": the kernel layers then run the MLX built-in, so a provider only needs to
+cover the cases it is good at.
 
-Required methods: ``quantized_matmul`` and ``sdpa``. Optional methods (looked up with ``getattr``, so CPU
-providers may leave them out): ``quantized_sdpa`` (attention over mlx-lm's ``QuantizedKVCache``),
-``swiglu`` (the fused ``silu(x·Wg) * (x·Wu)`` decode step), ``rms_norm``, ``rope``, ``quantized_embedding``
-(the embedding lookup), ``qkv_rope`` (an attention block's projections, head split and RoPE as one op) and
-``decoder_block`` with ``block_config``/``kv_reserve``/``array_id``/``array_handle`` (a whole llama layer as one
-op that writes the KV cache in place; its contract is in ``kernels.fused_block``).
+``KernelProvider`` (``quantized_matmul`` and ``sdpa``) is required; each other Protocol below is one optional
+capability, used only when the provider has all of its methods with the keyword arguments named in
+``_KEYWORDS``. :func:`capabilities` checks that once, when kernels are applied (``kernels.patch``); the layers
+then call what they were given without probing.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Tuple, runtime_checkable
+import inspect
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import mlx.core as mx
 
@@ -40,9 +40,8 @@ class KernelProvider(Protocol):
         ...
 
 
-class OptionalKernels(Protocol):
-    """Methods a provider may add; ``kernels.patch`` uses them only when present."""
-
+@runtime_checkable
+class QuantizedAttention(Protocol):
     def quantized_sdpa(
         self, q: mx.array, k: QuantTriple, v: QuantTriple, *, scale: float, mask: Mask, group_size: int, bits: int,
     ) -> Optional[mx.array]:
@@ -51,6 +50,9 @@ class OptionalKernels(Protocol):
         and biases. Return None when not supported."""
         ...
 
+
+@runtime_checkable
+class FusedMLP(Protocol):
     def swiglu(
         self, x: mx.array, gate: QuantTriple, up: QuantTriple, *, group_size: int, bits: int,
     ) -> Optional[mx.array]:
@@ -58,10 +60,16 @@ class OptionalKernels(Protocol):
         Return None when not supported."""
         ...
 
+
+@runtime_checkable
+class NormKernel(Protocol):
     def rms_norm(self, x: mx.array, weight: mx.array, eps: float) -> Optional[mx.array]:
         """Same as ``mx.fast.rms_norm(x, weight, eps)``. Return None when not supported."""
         ...
 
+
+@runtime_checkable
+class RopeKernel(Protocol):
     def rope(
         self, x: mx.array, dims: int, *, traditional: bool, base: Optional[float], scale: float, offset: int,
     ) -> Optional[mx.array]:
@@ -69,6 +77,9 @@ class OptionalKernels(Protocol):
         (..., L, D). Return None when not supported."""
         ...
 
+
+@runtime_checkable
+class EmbeddingKernel(Protocol):
     def quantized_embedding(
         self, ids: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], *, group_size: int,
         bits: int, mode: str = "affine",
@@ -77,19 +88,98 @@ class OptionalKernels(Protocol):
         (..., dim). Return None when not supported."""
         ...
 
+
+@runtime_checkable
+class FusedAttention(Protocol):
+    """The attention input side as one op, plus what the fused attention and blocks need around it:
+    ``quantized_matmul(..., residual=r)`` (+ r, a skip connection), ``sdpa(..., heads_last=True, kv_len=n)``
+    (returns (B, L, n_heads * D) over the first n keys, all when -1) and ``swiglu(..., norm_weight=, norm_eps=)``
+    (x RMS-normalised first)."""
+
     def qkv_rope(
         self, x: mx.array, q: QuantTriple, k: QuantTriple, v: QuantTriple, *, group_size: int, bits: int,
         n_heads: int, n_kv_heads: int, head_dim: int, rope_dims: int, traditional: bool, base: Optional[float],
         scale: float, offset: int, freqs: Optional[mx.array] = None,
     ) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
-        """mlx-lm's attention input side: ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` (quantized, no bias) for x
-        (B, L, hidden), reshaped to (B, heads, L, head_dim) and ``mx.fast.rope``'d (q and k) at ``offset``.
-        Returns (q, k, v) or None when not supported. It may be asked to RMS-normalise x first
-        (``norm_weight=``, ``norm_eps=``; ``swiglu`` takes the same two), and a provider with ``qkv_rope`` also
-        takes ``quantized_matmul(..., residual=r)`` (+ r, a skip connection),
-        ``sdpa(..., heads_last=True, kv_len=n)``, which returns (B, L, n_heads * D) over the first n (all when -1)
-        keys (or None to decline), and ``kv_append(k_buf, v_buf, k, v, offset)`` (mlx-lm's KVCache update)."""
+        """``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` (quantized, no bias) for x (B, L, hidden), reshaped to
+        (B, heads, L, head_dim) and ``mx.fast.rope``'d (q and k) at ``offset``; x RMS-normalised first with
+        ``norm_weight=``/``norm_eps=``. Returns (q, k, v) or None."""
         ...
+
+
+@runtime_checkable
+class KVAppend(Protocol):
+    def kv_append(self, k_buf: mx.array, v_buf: mx.array, k: mx.array, v: mx.array,
+                  offset: int) -> Optional[Tuple[mx.array, mx.array]]:
+        """mlx-lm's ``KVCache.update_and_fetch`` into buffers with room: the new (k_buf, v_buf) or None."""
+        ...
+
+
+@runtime_checkable
+class DecoderBlockKernel(Protocol):
+    """A whole pre-norm decoder layer as one op writing the KV cache in place (contract in ``kernels.kv_cache``
+    and ``kernels.fused_block``)."""
+
+    def block_config(self, **fixed: Any) -> Any: ...
+
+    def decoder_block(self, x: mx.array, weights: list, k_buf: mx.array, v_buf: mx.array, *, offset: int,
+                      causal: bool, config: Any, freqs: Optional[mx.array] = None) -> Optional[tuple]: ...
+
+    def kv_reserve(self, shape: Sequence[int], src: Optional[mx.array] = None, valid: int = 0,
+                   dtype: mx.Dtype = mx.float32) -> mx.array: ...
+
+    def array_id(self, a: mx.array) -> int: ...
+
+    def array_handle(self, a: mx.array) -> mx.array: ...
+
+
+# Keyword arguments a capability needs beyond its own methods' names (method -> keywords).
+_KEYWORDS = {
+    FusedAttention: {"quantized_matmul": ("residual",), "sdpa": ("heads_last", "kv_len"),
+                     "qkv_rope": ("norm_weight", "norm_eps"), "swiglu": ("norm_weight", "norm_eps")},
+    DecoderBlockKernel: {"decoder_block": ("offset", "causal", "config", "freqs")},
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a provider offers beyond ``KernelProvider``, checked once (see :func:`capabilities`)."""
+
+    quantized_sdpa: bool = False
+    swiglu: bool = False
+    rms_norm: bool = False
+    rope: bool = False
+    embedding: bool = False
+    fused_attention: bool = False  # needs swiglu too: its blocks fold norms and skip connections into both
+    kv_append: bool = False
+    decoder_block: bool = False    # needs fused_attention: the blocks fall back to it per call
+
+
+def capabilities(provider: Any) -> Capabilities:
+    """The optional Protocols ``provider`` satisfies (methods present, with the keywords they need); raises
+    TypeError when it is not a ``KernelProvider`` at all."""
+    if not isinstance(provider, KernelProvider):
+        raise TypeError(
+            f"{type(provider).__name__} lacks the kernel provider methods (name, quantized_matmul, sdpa)")
+    has = lambda proto: isinstance(provider, proto) and all(  # noqa: E731
+        _accepts(getattr(provider, method), words) for method, words in _KEYWORDS.get(proto, {}).items())
+    swiglu = has(FusedMLP)
+    fused = swiglu and has(FusedAttention)
+    return Capabilities(
+        quantized_sdpa=has(QuantizedAttention), swiglu=swiglu, rms_norm=has(NormKernel), rope=has(RopeKernel),
+        embedding=has(EmbeddingKernel), fused_attention=fused, kv_append=has(KVAppend),
+        decoder_block=fused and has(DecoderBlockKernel),
+    )
+
+
+def _accepts(fn: Any, words: Sequence[str]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: trust its name
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    return all(w in params for w in words)
 
 
 def describe(provider: Optional[KernelProvider]) -> str:

@@ -11,13 +11,17 @@ per-op kernels alone still disagree, those too) and is reported in one line; ``-
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+
+from mlx_lm.models.cache import KVCache
+from mlxinfer.kernels.layers import (
+    bind, builtin_class, fused_kind, is_kernel_class, routed_attention_class, routes_attention, unbind,
+)
 
 # Relative to the reference output's largest magnitude. The fused paths differ from MLX's by rounding only
 # (activations rounded to int16 per group in the VNNI matvec, a float16 KV cache): measured ≤ 3e-3 on the tiny
@@ -58,7 +62,7 @@ def check_model(model: nn.Module) -> list[Finding]:
 
 
 def _is_fused(m: nn.Module) -> bool:
-    return getattr(type(m), "_fused_base", None) is not None
+    return fused_kind(m) is not None
 
 
 def _groups(model: nn.Module) -> dict[str, list[nn.Module]]:
@@ -120,9 +124,7 @@ def _in_features(linear: nn.Module) -> Optional[int]:
 
 def _run(m: nn.Module, call, xs) -> list[mx.array]:
     """``call`` over a prefill and a decode step, with a fresh KV cache where the module takes one."""
-    from mlx_lm.models.cache import KVCache
-
-    if getattr(type(m), "_fused_base", type(m)).__call__.__code__.co_argcount <= 2:  # an MLP: (self, x)
+    if builtin_class(type(m)).__call__.__code__.co_argcount <= 2:  # an MLP: (self, x)
         outs = [call(x) for x in xs]
     else:
         cache = KVCache()
@@ -136,7 +138,7 @@ def _error(m: nn.Module) -> float:
     if xs is None:
         return 0.0
     fused = _run(m, m, xs)
-    base = type(m)._fused_base if _is_fused(m) else type(m)
+    base = builtin_class(type(m))
     with _unfused_view(m):
         reference = _run(m, lambda *a: base.__call__(m, *a), xs)
     worst = 0.0
@@ -148,43 +150,25 @@ def _error(m: nn.Module) -> float:
 
 @contextlib.contextmanager
 def _unfused_view(m: nn.Module) -> Iterator[None]:
-    """Every kernel class in ``m``'s subtree, and its module's attention function, as MLX's while inside."""
-    from mlxinfer.kernels import patch
-
+    """Every kernel class in ``m``'s subtree (its attention routing included) as MLX's while inside."""
     saved = [(sub, sub.__class__) for _, sub in m.named_modules()]
-    sdpa = []
     try:
         for sub, cls in saved:
-            sub.__class__ = _builtin_class(cls)
-        for modname, original in patch._ORIGINAL_SDPA.items():
-            module = sys.modules.get(modname)
-            if module is not None:
-                sdpa.append((module, module.scaled_dot_product_attention))
-                module.scaled_dot_product_attention = original
+            sub.__class__ = builtin_class(cls)
         yield
     finally:
-        for module, fn in sdpa:
-            module.scaled_dot_product_attention = fn
         for sub, cls in saved:
             sub.__class__ = cls
 
 
-def _builtin_class(cls: type) -> type:
-    from mlxinfer.kernels import patch
-
-    if cls is patch.KernelQuantizedLinear:
-        return nn.QuantizedLinear
-    return getattr(cls, "_fused_base", None) or patch._ROUTED_BASES.get(cls, cls)
-
-
 def _unfuse(m: nn.Module, *, keep_per_op: bool) -> None:
-    """Turn off the fused classes in ``m``'s subtree; with ``keep_per_op=False`` the per-op kernel classes too."""
-    from mlxinfer.kernels import fused_block
-
+    """Turn off the fused classes in ``m``'s subtree (an attention module keeps its attention routed through the
+    provider); with ``keep_per_op=False`` every kernel class."""
     for _, sub in m.named_modules():
         cls = type(sub)
-        if getattr(cls, "_fused_base", None) is not None or not keep_per_op:
-            sub.__class__ = _builtin_class(cls)
-            if sub.__class__ is not cls:
-                sub.__dict__.pop("_kernel_provider", None)
-                sub.__dict__.pop(fused_block.CONFIG_ATTR, None)
+        if fused_kind(sub) is None and (keep_per_op or not is_kernel_class(cls)):
+            continue
+        provider = sub.__dict__.get("_kernel_provider")
+        unbind(sub)
+        if keep_per_op and provider is not None and routes_attention(type(sub)):
+            bind(sub, routed_attention_class(type(sub), provider), provider)

@@ -42,7 +42,6 @@ def emulated_metal(monkeypatch):
     monkeypatch.setattr(selfcheck, "check_model", lambda model: [])
     yield runner
     llama.scaled_dot_product_attention = base.scaled_dot_product_attention  # even if the test failed midway
-    patch._ORIGINAL_SDPA.clear()
 
 
 def greedy(model, prompt, n, **kw):

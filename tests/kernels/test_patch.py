@@ -82,7 +82,6 @@ def cpu_provider(monkeypatch):
     original = llama.scaled_dot_product_attention
     yield holder
     llama.scaled_dot_product_attention = original
-    patch._ORIGINAL_SDPA.clear()
 
 
 def logits(model, tokens, cache=None):
@@ -188,7 +187,6 @@ def test_auto_on_this_machine_uses_the_native_cpu_provider_when_built(monkeypatc
     finally:
         apply_kernels(model, "builtin")
         llama.scaled_dot_product_attention = original
-        patch._ORIGINAL_SDPA.clear()
 
 
 def test_kernel_files_ship_with_their_contract():

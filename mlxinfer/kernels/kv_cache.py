@@ -1,0 +1,108 @@
+"""The KV cache the one-op decoder layers write in place: mlx-lm's ``KVCache`` plus the ownership of its buffers.
+
+MLX arrays are values; ``decoder_block`` (``kernels.fused_block``) writes this step's keys and values into the
+two buffers it is given, at ``[offset, offset + L)``. :class:`InPlaceKVCache` says when that is safe:
+
+* only into buffers that ``kv_reserve`` allocated for this cache (fresh memory: never a view of another array,
+  never a buffer donated by one), recognised by MLX descriptor identity (``array_id``): mlx-lm's own update
+  (``keys[...] = k`` rebinds the Python object to a new array) or ``cache.state = ...`` hands the cache other
+  arrays, and the next call copies them into a fresh buffer instead;
+* only at or past the high-water mark of what the cache ever held in that buffer: whoever took the buffer
+  (``cache.state``) or a slice of it reads below the offset of that moment. After ``trim`` the next call copies
+  into a fresh buffer first, so positions a holder may still read are never overwritten.
+
+Everything else is mlx-lm's ``KVCache`` (``update_and_fetch``, ``state``, ``trim``, ``offset``, merging into a
+``BatchKVCache``), so code written for mlx-lm's prompt caches keeps working. Like it, the buffers grow in steps
+of ``step`` positions; they hold float16 unless ``MLXINFER_KV_DTYPE=float32`` (:func:`kv_dtype`).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Callable, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from mlxinfer.errors import InvalidParameter
+
+KV_DTYPE_ENV = "MLXINFER_KV_DTYPE"
+
+
+def kv_dtype() -> mx.Dtype:
+    """The one-op layers' KV-cache dtype: float16 (as llama.cpp's default: half the memory and half of what decode
+    reads at depth; attention still computes in float32), or float32 with ``MLXINFER_KV_DTYPE=float32``."""
+    name = os.environ.get(KV_DTYPE_ENV, "float16").strip().lower() or "float16"
+    if name not in ("float16", "float32"):
+        raise InvalidParameter(f"{KV_DTYPE_ENV}={name!r} is not a KV-cache dtype",
+                               hint=f"set {KV_DTYPE_ENV} to float16 (the default) or float32")
+    return mx.float16 if name == "float16" else mx.float32
+
+
+class InPlaceKVCache(KVCache):
+    """mlx-lm's ``KVCache`` whose buffers a one-op layer may write in place (rules in the module doc)."""
+
+    # Class defaults, so that caches made by mlx-lm's ``from_state`` (no __init__) start with nothing owned.
+    _owned: Optional[Tuple[mx.array, mx.array, int, int]] = None  # own handles + descriptor ids of k/v buffers
+    _high_water: int = 0  # the highest offset the cache ever held in the owned buffers (writes only at or past it)
+
+    @classmethod
+    def adopt(cls, cache: Any) -> Optional["InPlaceKVCache"]:
+        """``cache`` as an InPlaceKVCache: itself, or a plain mlx-lm ``KVCache`` made elsewhere (e.g. a server's
+        prefix-cache copy) turned into one, owning nothing yet (so the first write copies); None otherwise."""
+        if isinstance(cache, cls):
+            return cache
+        if type(cache) is KVCache:
+            cache.__class__ = cls
+            return cache
+        return None
+
+    def writable(self, provider: Any, head_shape: Tuple[int, int, int], L: int) -> Optional[Tuple[mx.array, mx.array]]:
+        """(k_buf, v_buf) that ``decoder_block`` may write at ``offset`` (L positions), installed in the cache: its
+        own buffers when they qualify, else fresh copies with room; None when the provider cannot make them."""
+        keys, values, offset, owned = self.keys, self.values, self.offset, self._owned
+        if (owned is not None and keys is not None and offset >= self._high_water and offset + L <= keys.shape[2]
+                and provider.array_id(keys) == owned[2] and provider.array_id(values) == owned[3]):
+            return keys, values
+        B, H, D = head_shape
+        capacity = (offset + L + self.step - 1) // self.step * self.step
+        keep, dtype = keys is not None and offset > 0, kv_dtype()
+        try:
+            k = provider.kv_reserve((B, H, capacity, D), keys if keep else None, valid=offset if keep else 0,
+                                    dtype=dtype)
+            v = provider.kv_reserve((B, H, capacity, D), values if keep else None, valid=offset if keep else 0,
+                                    dtype=dtype)
+        except (ValueError, TypeError):  # e.g. a cache another model filled (other shapes or dtype)
+            return None
+        self.keys, self.values = k, v
+        self._own(provider)
+        return k, v
+
+    def written(self, provider: Any, k: mx.array, v: mx.array, n: int) -> None:
+        """After ``decoder_block`` wrote n positions: hold its outputs (the same memory; evaluating them runs the
+        op, as mlx-lm's ``mx.eval(cache.state)`` does) and move the offset and high-water mark."""
+        self.keys, self.values = k, v
+        self.offset += n
+        self._own(provider)
+
+    def _own(self, provider: Any) -> None:
+        # Own handles keep the compared descriptor identities from being reused by other arrays.
+        k, v = self.keys, self.values
+        self._owned = (provider.array_handle(k), provider.array_handle(v), provider.array_id(k), provider.array_id(v))
+        self._high_water = self.offset  # every write so far ended here (a fresh buffer starts with what it copied)
+
+
+def cache_maker(model: Any) -> Callable[[], list]:
+    """A ``make_cache`` for ``model``: what its class' ``make_cache`` makes (or, without one, what mlx-lm's
+    ``make_prompt_cache`` makes: a ``KVCache`` per layer), each plain ``KVCache`` an InPlaceKVCache. It holds the
+    model weakly, so that setting it on the model makes no reference cycle (the weights go with the model)."""
+    own = getattr(type(model), "make_cache", None)
+    ref = weakref.ref(model)
+
+    def make_cache() -> list:
+        model = ref()
+        caches = own(model) if own is not None else [KVCache() for _ in model.layers]
+        return [InPlaceKVCache.adopt(c) or c for c in caches]
+
+    return make_cache
