@@ -255,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the one top-level handler
         if debug_enabled():
             raise
+        from ..distributed.group import lost_peer_line  # under mlx.launch: a rank is gone
+
+        if (line := lost_peer_line(e)) is not None:
+            _say(f"error: {line}")
+            return 1
         first = (str(e).splitlines() or [""])[0]
         _say(f"error: internal error: {type(e).__name__}: {first} (set MLXINFER_DEBUG=1 for the traceback and "
              "report it)")

@@ -226,3 +226,14 @@ def fail(line: str, code: int = 1) -> None:
     except (OSError, ValueError):
         pass
     os._exit(code)
+
+
+def lost_peer_line(e: BaseException) -> Optional[str]:
+    """The one line for a backend error that means a peer is gone (None for any other error)."""
+    world = _WORLD
+    if world is None or not isinstance(e, RuntimeError):
+        return None
+    msg = (str(e).strip().splitlines() or [""])[0]
+    if not msg.startswith(("[ring]", "[jaccl]", "[nccl]", "[mpi]")):
+        return None
+    return f"rank {world.rank} of {world.size} lost {world.others()}: {msg} (a rank died or the network dropped)"

@@ -67,3 +67,42 @@ def test_killing_a_rank_mid_generation_ends_the_other_with_one_line(tmp_path):
     assert errors == ["error: rank 0 of 2 stopped: rank 1 ended or cannot be reached (mlx.launch names its exit "
                       "above)"], err
     assert "Traceback" not in err
+
+
+def test_watchdog_ends_a_rank_whose_peer_vanished_without_a_launcher(tmp_path):
+    """Ranks started by hand (no mlx.launch to send SIGTERM): rank 0 is stuck in a collective with a dead peer,
+    and the watchdog ends it after MLXINFER_DIST_TIMEOUT with one line."""
+    import json
+
+    from dist_cli import MLXINFER, free_port_pair
+
+    model = tiny_llama(tmp_path / "m")
+    port = free_port_pair()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    args = ["generate", model, "--raw", "-p", "tell me", "--temp", "1", "--seed", "3", "--max-tokens", "480"]
+    procs = [subprocess.Popen([*MLXINFER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL,
+                              env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile),
+                                   "MLXINFER_DIST_TIMEOUT": "10"}) for rank in (0, 1)]
+    try:
+        os.set_blocking(procs[0].stdout.fileno(), False)
+        out, start = b"", time.monotonic()
+        while len(out) < 8 and time.monotonic() - start < 120 and procs[0].poll() is None:
+            out += procs[0].stdout.read() or b""
+            time.sleep(0.05)
+        assert len(out) >= 8, procs[0].stderr.read() if procs[0].poll() is not None else "no output"
+        procs[1].kill()
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        assert time.monotonic() - killed < 40
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    err = err.decode("utf-8", "replace")
+    assert procs[0].returncode != 0
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "rank 1" in errors[0], err
+    assert "Traceback" not in err
