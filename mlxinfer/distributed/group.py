@@ -37,7 +37,6 @@ class World:
     strategy: str            # tensor | pipeline (what was asked; the plan may fall back to pipeline)
     timeout: float
     plan: dict = field(default_factory=dict)   # what the loader did: strategy, stage layers, fallbacks
-    comm_s: float = 0.0      # seconds spent waiting in hand-offs/collectives (bench)
     watchdog: Optional["Watchdog"] = None
 
     @property
