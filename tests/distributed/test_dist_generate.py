@@ -64,7 +64,7 @@ def test_tiny_llama_matches_one_process(tiny, tiny_q4, strategy):
 
 def test_stdin_prompt_is_refused_under_launch(tiny):
     proc = launch("generate", tiny, "-p", "-", input="hi\n", timeout=90)
-    # mlx.launch itself exits 0 whatever its ranks do; it names each rank's exit code.
-    assert "Node with rank 0 exited with code 2" in proc.stderr
-    assert "error: -p - cannot read stdin under mlx.launch" in proc.stderr
-    assert proc.stderr.count("error:") == 1  # rank 1 printed nothing
+    # mlx.launch itself exits 0 whatever its ranks do; it names each rank's exit code (whichever rank it sees
+    # exit first: both refuse, and it stops the other).
+    assert "exited with code 2" in proc.stderr
+    assert proc.stderr.count("error: -p - cannot read stdin under mlx.launch") == 1  # rank 1 printed nothing
