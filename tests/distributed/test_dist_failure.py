@@ -64,8 +64,9 @@ def test_killing_a_rank_mid_generation_ends_the_other_with_one_line(tmp_path):
     err = err.decode("utf-8", "replace")
     assert "Node with rank 1 exited with code -9" in err
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert errors == ["error: rank 0 of 2 stopped: rank 1 ended or cannot be reached (mlx.launch names its exit "
-                      "above)"], err
+    # Usually mlx.launch's SIGTERM comes first ("stopped: rank 1 ended"); the ring's own error ("lost rank 1")
+    # may win the race. Either way: one line, naming rank 1.
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 of 2 ") and "rank 1" in errors[0][20:], err
     assert "Traceback" not in err
 
 
