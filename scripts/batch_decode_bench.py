@@ -1,0 +1,56 @@
+"""Time one batched decode step (L=1, B rows, mlx-lm's left-padded BatchKVCache as `mlxinfer serve` and
+`mlxinfer bench -b` run it) at B=1,4,8 with the native kernels and the built-ins, and count which native ops
+each step calls (B>1 today: qkv_rope/sdpa are asked and decline, so RoPE/KV/attention fall back to MLX).
+
+Usage: python scripts/batch_decode_bench.py PATH_TO_GGUF_OR_MODEL_DIR
+"""
+import time, sys, collections
+import mlx.core as mx
+import mlxinfer
+from mlx_lm.models import cache as cache_lib
+from mlxinfer.kernels.patch import apply_kernels
+mx.set_default_device(mx.cpu)
+path = sys.argv[1]
+loaded = mlxinfer.load(path, kernels="custom")
+model = loaded.model
+print("kernels:", loaded.kernels)  # per-step counts below are calls into the provider, accepted or not
+calls = collections.Counter()
+prov = None
+for l in model.layers:
+    prov = getattr(l, "_kernel_provider", None)
+    if prov: break
+if prov is not None:
+    for name in ("decoder_block", "qkv_rope", "sdpa", "kv_append"):
+        f = getattr(prov, name, None)
+        if f is None: continue
+        def wrap(f=f, name=name):
+            def g(*a, **k):
+                calls[name] += 1
+                return f(*a, **k)
+            return g
+        try: setattr(prov, name, wrap())
+        except Exception as e: print("cannot wrap", name, e)
+def step_time(B, steps=12):
+    prompts = [[1 + (7 * i + j) % 400 for j in range(20 + 3 * i)] for i in range(B)]
+    caches, first = [], []
+    for p in prompts:
+        c = cache_lib.make_prompt_cache(model)
+        first.append(mx.argmax(model(mx.array([p]), cache=c)[:, -1], axis=-1)); caches.append(c)
+    if B == 1:
+        merged = caches[0]
+    else:
+        merged = [cache_lib.BatchKVCache.merge([c[i] for c in caches]) for i in range(len(model.layers))]
+    y = mx.concatenate(first); mx.eval(y)
+    for _ in range(2):
+        y = mx.argmax(model(y[:, None], cache=merged)[:, -1], axis=-1); mx.eval(y)
+    calls.clear()
+    t = time.perf_counter()
+    for _ in range(steps):
+        y = mx.argmax(model(y[:, None], cache=merged)[:, -1], axis=-1); mx.eval(y)
+    dt = (time.perf_counter() - t) / steps
+    return dt, dict(calls)
+for mode in ("custom", "builtin"):
+    apply_kernels(model, mode)
+    for B in (1, 4, 8):
+        dt, c = step_time(B)
+        print(f"{mode:8s} B={B}: {dt*1e3:7.1f} ms/step  {B/dt:6.1f} tok/s aggregate  native calls/step={ {k: v/12 for k,v in c.items()} }", flush=True)
