@@ -40,7 +40,10 @@ def test_bash_completion_completes_commands():
     env = {**os.environ, "_MLXINFER_COMPLETE": "complete_bash", "COMP_WORDS": "mlxinfer pu", "COMP_CWORD": "1"}
     proc = subprocess.run([str(EXE)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["pull"], (proc.stdout, proc.stderr)
-    script = subprocess.run([str(EXE), "--show-completion", "bash"], capture_output=True, text=True, timeout=120)
+    # Typer detects the parent shell unless told not to; CI runs under sh, which it does not support.
+    env = {**os.environ, "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}
+    script = subprocess.run([str(EXE), "--show-completion", "bash"], capture_output=True, text=True, timeout=120,
+                            env=env)
     assert script.returncode == 0 and "complete -o default -F _mlxinfer_completion mlxinfer" in script.stdout
 
 
