@@ -2,6 +2,7 @@
 // (shared NB_DOMAIN mlx) and loads libmlx.so.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -67,6 +68,13 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "keys/values into k_buf/v_buf IN PLACE (kv_reserve buffers only) at offset. weights: (w, scales, biases) "
         "of q, k, v, o, gate, up, down, the two norm weights, then q/k/v biases and q/k norm weights when the "
         "config has them. Returns [y, k_buf', v_buf'] (the buffers' memory).");
+  m.def("decoder_layer_plan", &mlxinfer_cpu::decoder_layer_plan, "names"_a, "config"_a,
+        "A plan id for decoder_layer: the weights' slot names in the order the arrays will come, and the layer's "
+        "numbers (mlxinfer/kernels/spec.py builds both).");
+  m.def("decoder_layer", &mlxinfer_cpu::decoder_layer, "x"_a, "arrays"_a, "k_buf"_a, "v_buf"_a, "offset"_a,
+        "causal"_a, "plan"_a,
+        "One decoder layer as one op by a decoder_layer_plan; writes this step's keys/values into k_buf/v_buf IN "
+        "PLACE (kv_reserve buffers only) at offset. Returns [y, k_buf', v_buf'].");
   m.def("array_id", [](const mx::array& a) { return reinterpret_cast<std::uintptr_t>(a.id()); }, "a"_a,
         "Identity of the array's descriptor (what Python's `is` cannot see after an in-place __setitem__).");
   m.def("array_handle", [](const mx::array& a) { return a; }, "a"_a,

@@ -1,6 +1,8 @@
 #pragma once
 
+#include <map>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "mlx/array.h"
@@ -84,5 +86,14 @@ struct DecoderBlockConfig {
 std::vector<mx::array> decoder_block(const mx::array& x, const std::vector<mx::array>& weights, const mx::array& k_buf,
                                      const mx::array& v_buf, int offset, bool causal, const DecoderBlockConfig& config,
                                      const std::optional<mx::array>& freqs = std::nullopt);
+
+// One decoder layer as one op, by a plan (layer.cpp; mlxinfer/kernels/spec.py describes the layer):
+// decoder_layer_plan(names, config) resolves the weights' slot names (in the order decoder_layer will get the
+// arrays) and the layer's numbers once and returns a plan id; decoder_layer(x, arrays, k_buf, v_buf, offset,
+// causal, plan) then runs it, writing this step's keys/values IN PLACE into the kv_reserve buffers at offset.
+// Returns [y, k_buf', v_buf'] like decoder_block.
+int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std::string, double>& config);
+std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::array>& arrays, const mx::array& k_buf,
+                                     const mx::array& v_buf, int offset, bool causal, int plan_id);
 
 }  // namespace mlxinfer_cpu

@@ -6,12 +6,13 @@
 * attention modules with llama's attention code become a subclass whose q/k/v projections, head split and
   RoPE are one ``provider.qkv_rope`` op, the KV-cache update one ``kv_append`` and whose attention writes
   o_proj's layout (``residual=``/``norm=`` let the block fold its skip connection and RMSNorm in);
-* decoder blocks with llama's block code become a subclass that runs the whole layer as one ``decoder_block``
-  op when the provider has it (``fused_block``), else the fused attention and MLP with the skip connections as
-  o_proj/down_proj residuals and the RMSNorms folded into the next op, else the original code.
+* decoder blocks of ``kernels.spec``'s table (llama, qwen2, qwen3, gemma3_text, phi3, ...) become a subclass that
+  runs the whole layer as one ``decoder_layer`` op when the provider has it (``fused_block``), else (llama's
+  block code) the fused attention and MLP with the skip connections as o_proj/down_proj residuals and the
+  RMSNorms folded into the next op, else the original code.
 
-Which mlx-lm classes these paths take is decided by class identity in ``kernels.eligibility``'s table (never by
-source text), and ``kernels.selfcheck`` runs each fused configuration once against the module's own code.
+Which mlx-lm classes these paths take is decided by class identity in ``kernels.eligibility``'s and
+``kernels.spec``'s tables (never by source text), and ``kernels.selfcheck`` runs each fused configuration once against the module's own code.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Callable
 
 import mlx.nn as nn
 
-from mlxinfer.kernels import fused_block
+from mlxinfer.kernels import fused_block, spec
 from mlxinfer.kernels.eligibility import (
     ATTENTION_LLAMA, ATTENTION_QWEN3, BLOCK_PRENORM, MLP_SWIGLU, has_role, role_of,
 )
@@ -162,25 +163,45 @@ def _fused_parts(m: nn.Module) -> bool:
     return fused_kind(getattr(m, "self_attn", None)) == "attention" and fused_kind(getattr(m, "mlp", None)) == "swiglu"
 
 
-def swap_blocks(model: nn.Module, provider: KernelProvider, caps: Capabilities) -> tuple:
-    """Pre-norm blocks (eligibility table): (swapped, of which run as one ``decoder_block`` op). Only with the
-    FusedAttention capability: a block falls back to the fused attention and MLP per call."""
-    swapped = native = 0
-    if not caps.fused_attention:
-        return swapped, native
+def _windows(model: nn.Module) -> dict:
+    """id(block) -> the sliding window of the model part holding it (gemma3_text keeps ``window_size`` on its
+    inner model, next to ``layers``), for the blocks of such parts."""
+    out = {}
     for _, m in model.named_modules():
-        if not (all(type(getattr(m, n, None)) in (nn.RMSNorm, KernelRMSNorm)
-                    for n in ("input_layernorm", "post_attention_layernorm"))
-                and has_role(m, BLOCK_PRENORM)):
+        window, blocks = getattr(m, "window_size", None), getattr(m, "layers", None)
+        if isinstance(window, int) and isinstance(blocks, list):
+            out.update({id(b): window for b in blocks})
+    return out
+
+
+def swap_blocks(model: nn.Module, provider: KernelProvider, caps: Capabilities) -> tuple:
+    """Decoder blocks of the spec table (``kernels.spec``) or with llama's pre-norm block code: (swapped, of which
+    run as one ``decoder_layer`` op, {reason: count} for the table's blocks that do not). Only with the
+    FusedAttention capability: a llama block falls back to the fused attention and MLP per call, the others to
+    their own code."""
+    swapped = native = 0
+    why_not: dict = {}
+    if not caps.fused_attention:
+        return swapped, native, why_not
+    windows = _windows(model)
+    for _, m in model.named_modules():
+        in_table = spec.builder_of(type(m)) is not None
+        prenorm = (all(type(getattr(m, n, None)) in (nn.RMSNorm, KernelRMSNorm)
+                       for n in ("input_layernorm", "post_attention_layernorm"))
+                   and has_role(m, BLOCK_PRENORM))
+        if not (in_table or prenorm):
             continue
-        attention = {ATTENTION_LLAMA: "llama", ATTENTION_QWEN3: "qwen3"}.get(
-            role_of(type(getattr(m, "self_attn", None))))
         m._kernel_provider = provider
-        one_op = attention is not None and caps.decoder_block and fused_block.prepare(m, attention)
-        if one_op or _fused_parts(m):
+        why = "the provider has no decoder_layer op"
+        if in_table and caps.decoder_block:
+            why = fused_block.prepare(m, provider, windows.get(id(m), 0))
+        one_op = why == ""
+        if one_op or (prenorm and _fused_parts(m)):
             bind(m, fused_subclass("block", builtin_class(type(m)), _block_call), provider)
             swapped, native = swapped + 1, native + bool(one_op)
         else:
             m.__dict__.pop("_kernel_provider", None)
             m.__dict__.pop("_native_plan", None)
-    return swapped, native
+        if in_table and not one_op:
+            why_not[why] = why_not.get(why, 0) + 1
+    return swapped, native, why_not

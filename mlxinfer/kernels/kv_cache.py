@@ -23,7 +23,7 @@ import weakref
 from typing import Any, Callable, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlxinfer.errors import InvalidParameter
 
@@ -93,16 +93,19 @@ class InPlaceKVCache(KVCache):
         self._high_water = self.offset  # every write so far ended here (a fresh buffer starts with what it copied)
 
 
-def cache_maker(model: Any) -> Callable[[], list]:
+def cache_maker(model: Any, windowed: frozenset = frozenset()) -> Callable[[], list]:
     """A ``make_cache`` for ``model``: what its class' ``make_cache`` makes (or, without one, what mlx-lm's
-    ``make_prompt_cache`` makes: a ``KVCache`` per layer), each plain ``KVCache`` an InPlaceKVCache. It holds the
-    model weakly, so that setting it on the model makes no reference cycle (the weights go with the model)."""
+    ``make_prompt_cache`` makes: a ``KVCache`` per layer), each plain ``KVCache`` an InPlaceKVCache; so are the
+    ``RotatingKVCache``s of the layers in ``windowed`` (one-op sliding-window layers, which read only the last
+    window of a cache that keeps every position). It holds the model weakly, so that setting it on the model
+    makes no reference cycle (the weights go with the model)."""
     own = getattr(type(model), "make_cache", None)
     ref = weakref.ref(model)
 
     def make_cache() -> list:
         model = ref()
         caches = own(model) if own is not None else [KVCache() for _ in model.layers]
-        return [InPlaceKVCache.adopt(c) or c for c in caches]
+        return [InPlaceKVCache() if i in windowed and type(c) is RotatingKVCache and c.keep == 0
+                else InPlaceKVCache.adopt(c) or c for i, c in enumerate(caches)]
 
     return make_cache

@@ -93,15 +93,16 @@ def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
                 hint="use --kernels builtin or --kernels auto",
             )
         return KernelReport("builtin", f"MLX built-in kernels ({why})")
-    _swap(model, provider, caps)
+    block_why_not = _swap(model, provider, caps)
     findings = selfcheck.check_model(model)
     if findings and mode == "custom":
         restore_builtin(model)
         raise MlxinferError(findings[0].line(), hint="use --kernels auto (it falls back) or --kernels builtin")
     if any(fused_block.is_one_op(m) for _, m in model.named_modules()):
         # make_prompt_cache(model) (the engine, bench, server) then gives the caches the one-op layers write.
-        model.make_cache = kv_cache.cache_maker(model)
-    why_not = [f.line() for f in findings]
+        model.make_cache = kv_cache.cache_maker(model, _windowed_layers(model))
+    why_not = [f"{n} decoder layers not as one op: {why}" for why, n in block_why_not.items()]
+    why_not += [f.line() for f in findings]
     validated = eligibility.mlx_lm_validated()
     if validated is not None:
         why_not.append(f"fused layers off: {validated}")
@@ -111,7 +112,19 @@ def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
     return KernelReport(provider.name, detail)
 
 
-def _swap(model: nn.Module, provider: KernelProvider, caps: Capabilities) -> None:
+def _windowed_layers(model: nn.Module) -> frozenset:
+    """Indexes in ``model.layers`` of the sliding-window layers, when every one of them runs as one op (their
+    RotatingKVCaches then become in-place caches the op reads windowed; a mix would give the model's shared
+    window mask two cache layouts), else none."""
+    blocks = list(getattr(model, "layers", None) or [])
+    sliding = [i for i, b in enumerate(blocks) if getattr(getattr(b, "self_attn", None), "is_sliding", False)]
+    if sliding and all(fused_block.is_one_op(blocks[i]) and fused_block.window_of(blocks[i]) for i in sliding):
+        return frozenset(sliding)
+    return frozenset()
+
+
+def _swap(model: nn.Module, provider: KernelProvider, caps: Capabilities) -> dict:
+    """Swap the kernel classes in; returns {reason: count} for the decoder layers that do not run as one op."""
     layers.register(provider, caps)
     for _, m in model.named_modules():
         # Exact classes only: a subclass (e.g. a LoRA layer) may rely on its own maths.
@@ -128,11 +141,12 @@ def _swap(model: nn.Module, provider: KernelProvider, caps: Capabilities) -> Non
                     m._kernel_lookup = caps.embedding
     fused_llama.swap_mlps(model, provider, caps)
     fused_llama.swap_attention_inputs(model, provider, caps)
-    fused_llama.swap_blocks(model, provider, caps)
+    _, _, why_not = fused_llama.swap_blocks(model, provider, caps)
     for _, m in model.named_modules():  # the other attention modules: their attention call only
         if not layers.is_kernel_class(type(m)) and type(m).__module__.startswith("mlx_lm.models.") \
                 and layers.routes_attention(type(m)):
             layers.bind(m, layers.routed_attention_class(type(m), provider), provider)
+    return why_not
 
 
 def describe(model: nn.Module) -> str:

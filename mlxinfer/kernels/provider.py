@@ -117,13 +117,13 @@ class KVAppend(Protocol):
 
 @runtime_checkable
 class DecoderBlockKernel(Protocol):
-    """A whole pre-norm decoder layer as one op writing the KV cache in place (contract in ``kernels.kv_cache``
-    and ``kernels.fused_block``)."""
+    """A whole decoder layer (described by ``kernels.spec.LayerSpec``) as one op writing the KV cache in place
+    (contract in ``kernels.kv_cache`` and ``kernels.fused_block``); weights by name."""
 
-    def block_config(self, **fixed: Any) -> Any: ...
+    def decoder_layer_plan(self, names: Sequence[str], config: dict) -> Any: ...
 
-    def decoder_block(self, x: mx.array, weights: list, k_buf: mx.array, v_buf: mx.array, *, offset: int,
-                      causal: bool, config: Any, freqs: Optional[mx.array] = None) -> Optional[tuple]: ...
+    def decoder_layer(self, x: mx.array, arrays: list, k_buf: mx.array, v_buf: mx.array, *, offset: int,
+                      causal: bool, plan: Any) -> Optional[tuple]: ...
 
     def kv_reserve(self, shape: Sequence[int], src: Optional[mx.array] = None, valid: int = 0,
                    dtype: mx.Dtype = mx.float32) -> mx.array: ...
@@ -137,7 +137,7 @@ class DecoderBlockKernel(Protocol):
 _KEYWORDS = {
     FusedAttention: {"quantized_matmul": ("residual",), "sdpa": ("heads_last", "kv_len"),
                      "qkv_rope": ("norm_weight", "norm_eps"), "swiglu": ("norm_weight", "norm_eps")},
-    DecoderBlockKernel: {"decoder_block": ("offset", "causal", "config", "freqs")},
+    DecoderBlockKernel: {"decoder_layer": ("offset", "causal", "plan")},
 }
 
 

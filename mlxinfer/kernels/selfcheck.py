@@ -107,7 +107,7 @@ def _inputs(m: nn.Module) -> Optional[tuple[mx.array, mx.array]]:
 
 
 def _input_width(m: nn.Module) -> Optional[int]:
-    for name in ("q_proj", "gate_proj", "self_attn"):
+    for name in ("q_proj", "qkv_proj", "gate_proj", "gate_up_proj", "self_attn"):
         sub = getattr(m, name, None)
         if isinstance(sub, nn.Module):
             return _input_width(sub) if name == "self_attn" else _in_features(sub)

@@ -112,27 +112,23 @@ class NativeCpuProvider:
         except _REJECTED:
             return None
 
-    def block_config(self, *, group_size: int, bits: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                     rope_dims: int, traditional: bool, base: Optional[float], rope_scale: float, attn_scale: float,
-                     eps1: float, eps2: float, qkv_bias: bool = False, qk_norm: bool = False,
-                     qk_eps: float = 0.0):
-        """The fixed part of a ``decoder_block`` call (made once per layer: converting ~20 arguments every call
-        costs more than the op's dispatch). ``qkv_bias``: q/k/v projections with a bias (Qwen2); ``qk_norm``: an
-        RMSNorm (``qk_eps``) over each head of q and k before RoPE (Qwen3)."""
-        return (int(group_size), int(bits), int(n_heads), int(n_kv_heads), int(head_dim), int(rope_dims),
-                bool(traditional), float(base if base is not None else 0.0), float(rope_scale), float(attn_scale),
-                float(eps1), float(eps2), bool(qkv_bias), bool(qk_norm), float(qk_eps))
-
-    def decoder_block(self, x, weights: list, k_buf, v_buf, *, offset: int, causal: bool, config,
-                      freqs=None) -> Optional[tuple]:
-        """A llama decoder layer (x (B, L, hidden) float32 -> same) as one op, writing this step's keys and values
-        into ``k_buf``/``v_buf`` IN PLACE at ``offset``: only for buffers from ``kv_reserve`` that nothing else
-        reads at or past ``offset`` (``kernels.fused_block`` keeps that promise). ``weights``: w, scales, biases
-        of q, k, v, o, gate, up, down, the two RMSNorm weights (23 arrays), then the q/k/v biases and the q/k
-        norm weights when ``config`` (from ``block_config``) has them. Returns (y, k_buf', v_buf'): the buffers
-        after the write, the same memory (what the cache must hold so that evaluating it runs the op), or None."""
+    def decoder_layer_plan(self, names, config: dict):
+        """The plan for ``decoder_layer`` (made once per layer): ``names`` are the weights' slot names in the order
+        the arrays will come, ``config`` the layer's numbers (both from ``kernels.spec.LayerSpec``); None when
+        the op does not take such a layer."""
         try:
-            return tuple(self._ext.decoder_block(x, weights, k_buf, v_buf, offset, causal, config, freqs))
+            return self._ext.decoder_layer_plan(list(names), {k: float(v) for k, v in config.items()})
+        except _REJECTED:
+            return None
+
+    def decoder_layer(self, x, arrays: list, k_buf, v_buf, *, offset: int, causal: bool, plan) -> Optional[tuple]:
+        """A decoder layer (x (B, L, hidden) float32 -> same) as one op, writing this step's keys and values into
+        ``k_buf``/``v_buf`` IN PLACE at ``offset``: only for buffers from ``kv_reserve`` that nothing else reads at
+        or past ``offset`` (``kernels.fused_block`` keeps that promise). ``arrays``: in the order of the plan's
+        names. Returns (y, k_buf', v_buf'): the buffers after the write, the same memory (what the cache must hold
+        so that evaluating it runs the op), or None."""
+        try:
+            return tuple(self._ext.decoder_layer(x, arrays, k_buf, v_buf, offset, causal, plan))
         except _REJECTED:
             return None
 

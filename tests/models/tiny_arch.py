@@ -57,6 +57,15 @@ ARCHS: dict[str, Arch] = {
                                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                             "llama_4_scaling_beta": 0.1}},
                        bits=8, what="8-bit, YaRN rope, llama-4 position-dependent query scaling"),
+    "smollm3": Arch({"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "rms_norm_eps": 1e-6,
+                     "rope_theta": 1e5, "tie_word_embeddings": True, "no_rope_layer_interval": 2},
+                    what="NoPE layers (every 2nd layer without RoPE), llama's classes"),
+    "phi4_mini": Arch({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "rms_norm_eps": 1e-5,
+                       "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "tie_word_embeddings": True,
+                       "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                       "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.4, 1.8, 2.5],
+                                        "long_factor": [1.0, 1.3, 2.0, 3.5, 6.0, 11.0]}},
+                      group_size=32, what="Phi-4-mini's partial rotary (0.75) and LongRoPE (SuScaledRoPE)"),
     "phi3": Arch({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "rms_norm_eps": 1e-5,
                   "rope_theta": 10000.0, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096},
                  group_size=32, what="fused qkv and gate_up projections"),
@@ -108,6 +117,24 @@ def _random_params(model, seed: int) -> dict:
                 arr *= RESIDUAL_GAIN
         params[name] = mx.array(arr.astype(np.float32))
     return params
+
+
+def make_model(name: str, *, seed: int = 0, overrides: dict | None = None):
+    """The tiny ``name`` model in memory (float32, quantized as ``ARCHS`` says), ``overrides`` merged into its
+    config: what the CPU kernels run after mlxinfer's loader (float32 activations, scales and norms)."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+    from mlx_lm.utils import _get_classes, quantize_model
+
+    arch = ARCHS[name]
+    config = {**config_for(name), **(overrides or {})}
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    model.update(tree_unflatten(list(_random_params(model, seed).items())))
+    if arch.bits is not None:
+        model, config = quantize_model(model, config, group_size=arch.group_size, bits=arch.bits)
+    mx.eval(model.parameters())
+    return model
 
 
 def build(name: str, out_dir: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:

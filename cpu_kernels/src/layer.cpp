@@ -1,0 +1,395 @@
+// The DecoderLayer primitive: one decoder layer as one graph node, driven by a layer plan (mlxinfer/kernels/spec.py
+// describes the layer; decoder_layer_plan turns that description into this file's LayerPlan once per layer).
+//   a = attn(norm_a(x)),  h = x + (norm_ao(a) | a),  m = mlp(norm_m(h)),  y = h + (norm_mo(m) | m)
+// norm_ao / norm_mo: Gemma's sandwich norms (absent for llama/qwen/phi). attn: q/k/v (separate or one fused qkv
+// projection, Phi-3), optional biases (Qwen2), per-head q/k RMSNorms (Qwen3, Gemma 3), RoPE over the first
+// rope_dims of each head (base, or precomputed periods: Llama-3, Phi-3 SuScaled/LongRoPE with its input scale),
+// attention over the KV cache, optionally only its last `window` positions (Gemma's sliding layers).
+// mlp: act(gate) * up (separate or one fused gate_up projection), act SiLU or GELU-tanh, then down.
+// Norm weights may be stored as w - 1 (Gemma: the norm multiplies by 1 + w; norm_offset = 1).
+//
+// Weights are passed BY NAME: decoder_layer_plan gets the slot names in the order the arrays will come (the
+// names are the ones in kSlots below; Python builds the list from the spec), resolves them to input indexes once
+// and returns a plan id. Nothing else knows a position.
+//
+// KV cache: as block.cpp's decoder_block, this step's keys/values are written IN PLACE into k_buf / v_buf at
+// [offset, offset + L) (kv_reserve buffers owned by kernels.kv_cache.InPlaceKVCache; see block.cpp's header).
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "dispatch.h"
+#include "ops.h"
+#include "qmm_float.h"
+#include "qmm_kernels.h"
+
+namespace mlxinfer_cpu {
+
+namespace {
+
+// The slot names a layer's arrays may have (a quantized linear "X" gives "X.weight", "X.scales", "X.biases").
+enum Slot : int { sAttnNorm, sAttnOutNorm, sMlpNorm, sMlpOutNorm, sQNorm, sKNorm, sQBias, sKBias, sVBias, sFreqs,
+                  sLinear0 };
+const char* kNorms[] = {"attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm",
+                        "q.bias", "k.bias", "v.bias", "rope_freqs"};
+enum Lin : int { lQ, lK, lV, lQKV, lO, lGate, lUp, lGateUp, lDown, kLinears };
+const char* kLinearNames[] = {"q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down"};
+const char* kParts[] = {"weight", "scales", "biases"};
+constexpr int kSlots = sLinear0 + 3 * kLinears;
+
+struct LayerPlan {
+  int gs, bits, hq, hkv, d, rope_dims, act, window, n_arrays;
+  bool traditional;
+  float base, rope_scale, rope_mscale, attn_scale, eps, qk_eps, norm_offset;
+  int at[kSlots];  // input index of each slot (x is input 0, arrays follow), -1 when absent
+  int lin(int l, int part = 0) const { return at[sLinear0 + 3 * l + part]; }
+};
+
+std::mutex plans_mutex;
+std::vector<LayerPlan> plans;  // by plan id; a model makes one per distinct layer configuration
+
+int slot_of(const std::string& name) {
+  for (int i = 0; i < sLinear0; ++i)
+    if (name == kNorms[i]) return i;
+  for (int l = 0; l < kLinears; ++l)
+    for (int p = 0; p < 3; ++p)
+      if (name == std::string(kLinearNames[l]) + "." + kParts[p]) return sLinear0 + 3 * l + p;
+  return -1;
+}
+
+class NativeDecoderLayer : public mx::Primitive {
+ public:
+  NativeDecoderLayer(mx::Stream s, int plan, int offset, bool causal)
+      : mx::Primitive(s), plan_(plan), offset_(offset), causal_(causal) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxinfer_cpu] decoder_layer runs on the CPU stream only");
+  }
+  const char* name() const override { return "MlxinferDecoderLayer"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return this == &other; }  // writes its own KV
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const size_t n = inputs.size();
+    return {inputs[0].shape(), inputs[n - 2].shape(), inputs[n - 1].shape()};
+  }
+
+ private:
+  int plan_, offset_;
+  bool causal_;
+};
+
+QWeight qw(const std::vector<mx::array>& in, const LayerPlan& p, int l, float* out) {
+  return {&in[p.lin(l)], &in[p.lin(l, 1)], &in[p.lin(l, 2)], out};
+}
+
+// RMSNorm rows with the plan's stored-weight convention (w, or 1 + w for Gemma).
+void norm_rows(const LayerPlan& p, const mx::array& w, const float* x, float* y, size_t rows, int D, float eps,
+               std::vector<float>& tmp) {
+  const float* wd = w.data<float>();
+  if (p.norm_offset != 0.f) {
+    tmp.resize(D);
+    for (int i = 0; i < D; ++i) tmp[i] = p.norm_offset + wd[i];
+    wd = tmp.data();
+  }
+  rms_norm_rows(x, wd, y, rows, D, eps);
+}
+
+// out[r, i] = act(g[r, i]) * u[r, i]; g and u rows `stride` apart (a fused gate_up: u = g + I, stride 2I). In place
+// (out == g) is safe row by row: row r's output ends before row r + 1's input starts.
+void act_mul(int act, const float* g, const float* u, float* out, size_t rows, int I, size_t stride) {
+  if (act == 0 && stride == (size_t)I) {
+    select_kernels().silu_mul(g, u, out, rows * I);
+    return;
+  }
+  const float k0 = std::sqrt(2.f / static_cast<float>(M_PI));
+  for (size_t r = 0; r < rows; ++r)
+    for (int i = 0; i < I; ++i) {
+      const float a = g[r * stride + i], b = u[r * stride + i];
+      const float f = act == 0 ? a / (1.f + std::exp(-a)) : 0.5f * a * (1.f + std::tanh(k0 * (a + 0.044715f * a * a * a)));
+      out[r * I + i] = f * b;
+    }
+}
+
+void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, int offset, bool causal) {
+  const int hq = p.hq, hkv = p.hkv, d = p.d, gs = p.gs, bits = p.bits;
+  const int n_in = static_cast<int>(in.size());
+  const mx::array& x = in[0];
+  mx::array& kbuf = in[n_in - 2];
+  mx::array& vbuf = in[n_in - 1];
+  if (!kbuf.flags().row_contiguous || kbuf.data_size() != kbuf.size() || !vbuf.flags().row_contiguous ||
+      vbuf.data_size() != vbuf.size())
+    throw std::runtime_error("[mlxinfer_cpu.decoder_layer] KV buffers must be whole row-major buffers (kv_reserve)");
+  const int B = x.shape(0), L = x.shape(1), E = x.shape(2), rows = B * L;
+  const bool fused_gu = p.lin(lGateUp) >= 0, fused_qkv = p.lin(lQKV) >= 0;
+  const int I = fused_gu ? in[p.lin(lGateUp)].shape(0) / 2 : in[p.lin(lGate)].shape(0);
+  const int qd = hq * d, kvd = hkv * d, cap = kbuf.shape(2);
+  const size_t n_xn = (size_t)rows * E, n_q = (size_t)rows * qd, n_kv = (size_t)rows * kvd, n_i = (size_t)rows * I;
+  const bool half = kbuf.dtype() == mx::float16;
+  const size_t n_stage = half ? n_kv : 0;
+  const size_t n_qkv = fused_qkv ? (size_t)rows * (qd + 2 * kvd) : 0;
+  mx::array scratch(mx::Shape{static_cast<int>(2 * n_xn + 3 * n_q + 2 * n_kv + 2 * n_stage + 2 * n_i + n_qkv)},
+                    mx::float32, nullptr, {});
+  scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
+  float* xn = scratch.data<float>();  // (rows, E): norm_a(x), later norm_m(h), the sandwich norms' outputs
+  float* h = xn + n_xn;               // (rows, E): the residual stream after attention
+  float* fq = h + n_xn;               // (rows, Hq * D) projections, then q in (B, Hq, L, D)
+  float* qh = fq + n_q;
+  float* attn = qh + n_q;             // (rows, Hq * D): attention output in o_proj's layout
+  float* fk = attn + n_q;
+  float* fv = fk + n_kv;
+  float* kh = fv + n_kv;              // float16 cache only: this step's k (RoPE'd) and v in (B, Hkv, L, D)
+  float* vh = kh + n_stage;
+  float* g = vh + n_stage;            // (rows, I) gate then act(gate) * up; with gate_up (rows, 2I) from g on
+  float* u = g + n_i;
+  float* fqkv = u + n_i;              // (rows, Hq*D + 2*Hkv*D): a fused qkv projection's output
+  const float* xf = x.data<float>();
+  std::vector<float> wtmp;
+  const float* periods = p.at[sFreqs] >= 0 ? in[p.at[sFreqs]].data<float>() : nullptr;
+  const RopeSpec rope{p.rope_dims, p.traditional, p.base, p.rope_scale};
+
+  norm_rows(p, in[p.at[sAttnNorm]], xf, xn, rows, E, p.eps, wtmp);
+  if (fused_qkv) {  // Phi-3: one projection, split into q | k | v per row
+    qmm_float(xn, rows, E, {qw(in, p, lQKV, fqkv)}, gs, bits);
+    const size_t w = qd + 2 * kvd;
+    for (int r = 0; r < rows; ++r) {
+      std::memcpy(fq + (size_t)r * qd, fqkv + r * w, qd * sizeof(float));
+      std::memcpy(fk + (size_t)r * kvd, fqkv + r * w + qd, kvd * sizeof(float));
+      std::memcpy(fv + (size_t)r * kvd, fqkv + r * w + qd + kvd, kvd * sizeof(float));
+    }
+  } else {
+    qmm_float(xn, rows, E, {qw(in, p, lQ, fq), qw(in, p, lK, fk), qw(in, p, lV, fv)}, gs, bits);
+  }
+  float* outs[3] = {fq, fk, fv};
+  const int widths[3] = {qd, kvd, kvd};
+  for (int j = 0; j < 3; ++j)  // Qwen2: q/k/v biases
+    if (p.at[sQBias + j] >= 0) {
+      const float* b = in[p.at[sQBias + j]].data<float>();
+      for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < widths[j]; ++i) outs[j][(size_t)r * widths[j] + i] += b[i];
+    }
+  if (p.at[sQNorm] >= 0) {  // Qwen3 / Gemma 3: an RMSNorm over each head of q and k before RoPE
+    norm_rows(p, in[p.at[sQNorm]], fq, fq, (size_t)rows * hq, d, p.qk_eps, wtmp);
+    norm_rows(p, in[p.at[sKNorm]], fk, fk, (size_t)rows * hkv, d, p.qk_eps, wtmp);
+  }
+  if (p.rope_mscale != 1.f) {  // Phi-3 SuScaledRoPE: the rotated dims are scaled before the rotation
+    for (size_t r = 0; r < (size_t)rows * hq; ++r)
+      for (int i = 0; i < p.rope_dims; ++i) fq[r * d + i] *= p.rope_mscale;
+    for (size_t r = 0; r < (size_t)rows * hkv; ++r)
+      for (int i = 0; i < p.rope_dims; ++i) fk[r * d + i] *= p.rope_mscale;
+  }
+  scatter_heads(fq, qh, B, L, hq, d, rope, offset, periods, L, 0);
+  const RopeSpec no_rope{0, false, 1.f, 1.f};
+  if (!half) {
+    scatter_heads(fk, kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, offset);
+    scatter_heads(fv, vbuf.data<float>(), B, L, hkv, d, no_rope, 0, nullptr, cap, offset);
+  } else {
+    scatter_heads(fk, kh, B, L, hkv, d, rope, offset, periods, L, 0);
+    scatter_heads(fv, vh, B, L, hkv, d, no_rope, 0, nullptr, L, 0);
+    for (int bh = 0; bh < B * hkv; ++bh) {
+      const size_t src = (size_t)bh * L * d, dst = ((size_t)bh * cap + offset) * d * sizeof(uint16_t);
+      convert_floats(kh + src, mx::float32, kbuf.data<char>() + dst, mx::float16, (size_t)L * d);
+      convert_floats(vh + src, mx::float32, vbuf.data<char>() + dst, mx::float16, (size_t)L * d);
+    }
+  }
+
+  // Attention over the cache: all of its first offset + L positions, or for a sliding layer each query's last
+  // `window` positions (itself included), as mlx-lm's create_causal_mask(window_size=...).
+  SdpaArgs a{};
+  a.Hq = hq;
+  a.Hkv = hkv;
+  a.D = d;
+  a.scale = p.attn_scale;
+  a.kv_half = half;
+  const int64_t qs[3] = {(int64_t)hq * L * d, (int64_t)L * d, d};
+  const int64_t ks[3] = {(int64_t)hkv * cap * d, (int64_t)cap * d, d};
+  for (int i = 0; i < 3; ++i) {
+    a.qs[i] = qs[i];
+    a.ks[i] = a.vs[i] = ks[i];
+  }
+  a.heads_last = true;
+  const size_t esize = half ? sizeof(uint16_t) : sizeof(float);
+  if (p.window <= 0 || offset + L <= p.window) {
+    a.B = B;
+    a.L = L;
+    a.S = offset + L;
+    a.causal = causal && L > 1;
+    a.q = qh;
+    a.k = kbuf.data<void>();
+    a.v = vbuf.data<void>();
+    a.out = attn;
+    sdpa_exec(a);
+  } else {  // one query row at a time over its own window of keys
+    a.B = 1;
+    a.L = 1;
+    a.causal = false;
+    for (int b = 0; b < B; ++b)
+      for (int l = 0; l < L; ++l) {
+        const int pos = offset + l, start = std::max(0, pos + 1 - p.window);
+        a.S = pos + 1 - start;
+        a.q = qh + b * qs[0] + (size_t)l * d;
+        a.k = kbuf.data<char>() + (b * ks[0] + (int64_t)start * d) * esize;
+        a.v = vbuf.data<char>() + (b * ks[0] + (int64_t)start * d) * esize;
+        a.out = attn + ((size_t)b * L + l) * qd;
+        sdpa_exec(a);
+      }
+  }
+
+  // h = x + (norm_ao(o(attn)) | o(attn))
+  if (p.at[sAttnOutNorm] >= 0) {
+    qmm_float(attn, rows, qd, {qw(in, p, lO, xn)}, gs, bits);
+    norm_rows(p, in[p.at[sAttnOutNorm]], xn, h, rows, E, p.eps, wtmp);
+  } else {
+    qmm_float(attn, rows, qd, {qw(in, p, lO, h)}, gs, bits);
+  }
+  for (size_t i = 0; i < n_xn; ++i) h[i] += xf[i];
+  norm_rows(p, in[p.at[sMlpNorm]], h, xn, rows, E, p.eps, wtmp);
+  if (fused_gu) {  // Phi-3: gate | up in one projection
+    qmm_float(xn, rows, E, {qw(in, p, lGateUp, g)}, gs, bits);
+    act_mul(p.act, g, g + I, g, rows, I, 2 * (size_t)I);
+  } else {
+    qmm_float(xn, rows, E, {qw(in, p, lGate, g), qw(in, p, lUp, u)}, gs, bits);
+    act_mul(p.act, g, u, g, rows, I, I);
+  }
+  float* y = out.data<float>();
+  if (p.at[sMlpOutNorm] >= 0) {
+    qmm_float(g, rows, I, {qw(in, p, lDown, xn)}, gs, bits);
+    norm_rows(p, in[p.at[sMlpOutNorm]], xn, y, rows, E, p.eps, wtmp);
+  } else {
+    qmm_float(g, rows, I, {qw(in, p, lDown, y)}, gs, bits);
+  }
+  for (size_t i = 0; i < n_xn; ++i) y[i] += h[i];
+}
+
+void NativeDecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  const int n = static_cast<int>(inputs.size());
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  outputs[1].copy_shared_buffer(inputs[n - 2]);  // the same memory, now holding this step's keys
+  outputs[2].copy_shared_buffer(inputs[n - 1]);
+  for (const auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  std::vector<mx::array> in;
+  for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+  LayerPlan plan;
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    plan = plans[plan_];
+  }
+  enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(outputs[0]), plan, offset = offset_,
+                causal = causal_]() mutable {
+    for (int i = 0; i < static_cast<int>(in.size()) - 2; ++i)
+      if (!in[i].flags().row_contiguous) in[i] = row_contiguous_copy(in[i]);
+    run_layer(in, out, plan, offset, causal);
+  });
+}
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.decoder_layer] " + msg); }
+
+}  // namespace
+
+int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std::string, double>& config) {
+  LayerPlan p{};
+  auto get = [&](const char* key) {
+    auto it = config.find(key);
+    if (it == config.end()) fail(std::string("config lacks '") + key + "'");
+    return it->second;
+  };
+  p.gs = (int)get("group_size"), p.bits = (int)get("bits"), p.hq = (int)get("n_heads");
+  p.hkv = (int)get("n_kv_heads"), p.d = (int)get("head_dim"), p.rope_dims = (int)get("rope_dims");
+  p.act = (int)get("activation"), p.window = (int)get("window"), p.traditional = get("traditional") != 0;
+  p.base = (float)get("rope_base"), p.rope_scale = (float)get("rope_scale"), p.rope_mscale = (float)get("rope_mscale");
+  p.attn_scale = (float)get("attn_scale"), p.eps = (float)get("norm_eps"), p.qk_eps = (float)get("qk_norm_eps");
+  p.norm_offset = (float)get("norm_offset");
+  if (config.size() != 16) fail("config has unknown keys");
+  if (p.hq <= 0 || p.hkv <= 0 || p.d <= 0 || p.hq % p.hkv) fail("heads must be positive, n_heads a multiple of n_kv_heads");
+  if (p.rope_dims < 0 || p.rope_dims % 2 || p.rope_dims > p.d) fail("rope dims must be even and <= head_dim");
+  if (p.act != 0 && p.act != 1) fail("activation is 0 (silu) or 1 (gelu_tanh)");
+  for (int& i : p.at) i = -1;
+  p.n_arrays = static_cast<int>(names.size());
+  for (int i = 0; i < p.n_arrays; ++i) {
+    const int s = slot_of(names[i]);
+    if (s < 0) fail("unknown weight name '" + names[i] + "'");
+    if (p.at[s] >= 0) fail("weight '" + names[i] + "' given twice");
+    p.at[s] = i + 1;  // input 0 is x
+  }
+  auto whole = [&](int l) { return p.lin(l) >= 0 && p.lin(l, 1) >= 0 && p.lin(l, 2) >= 0; };
+  auto none = [&](int l) { return p.lin(l) < 0 && p.lin(l, 1) < 0 && p.lin(l, 2) < 0; };
+  const bool sep_qkv = whole(lQ) && whole(lK) && whole(lV) && none(lQKV);
+  const bool one_qkv = whole(lQKV) && none(lQ) && none(lK) && none(lV);
+  const bool sep_gu = whole(lGate) && whole(lUp) && none(lGateUp);
+  const bool one_gu = whole(lGateUp) && none(lGate) && none(lUp);
+  if (!(sep_qkv || one_qkv) || !(sep_gu || one_gu) || !whole(lO) || !whole(lDown))
+    fail("needs q, k, v (or qkv), o, gate, up (or gate_up) and down, each as weight, scales, biases");
+  if (p.at[sAttnNorm] < 0 || p.at[sMlpNorm] < 0) fail("needs attn_norm and mlp_norm");
+  if ((p.at[sQNorm] < 0) != (p.at[sKNorm] < 0)) fail("q_norm and k_norm come together");
+  if ((p.at[sQBias] < 0) != (p.at[sKBias] < 0) || (p.at[sQBias] < 0) != (p.at[sVBias] < 0) ||
+      (p.at[sQBias] >= 0 && !sep_qkv))
+    fail("q/k/v biases come together, with separate projections");
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  for (size_t i = 0; i < plans.size(); ++i)
+    if (std::memcmp(&plans[i], &p, sizeof(LayerPlan)) == 0) return static_cast<int>(i);
+  plans.push_back(p);
+  return static_cast<int>(plans.size() - 1);
+}
+
+std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::array>& arrays, const mx::array& k_buf,
+                                     const mx::array& v_buf, int offset, bool causal, int plan_id) {
+  LayerPlan p;
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    if (plan_id < 0 || plan_id >= static_cast<int>(plans.size())) fail("no such plan");
+    p = plans[plan_id];
+  }
+  if (x.ndim() != 3 || x.dtype() != mx::float32) fail("x must be float32 (B, L, hidden)");
+  if (static_cast<int>(arrays.size()) != p.n_arrays) fail("the arrays must match the plan's names");
+  std::vector<mx::array> inputs;
+  inputs.reserve(arrays.size() + 3);
+  inputs.push_back(x);
+  inputs.insert(inputs.end(), arrays.begin(), arrays.end());
+  auto arr = [&](int slot) -> const mx::array& { return inputs[p.at[slot]]; };
+  const int E = x.shape(2), qd = p.hq * p.d, kvd = p.hkv * p.d;
+  const bool fused_gu = p.lin(lGateUp) >= 0;
+  const mx::array& gw = inputs[p.lin(fused_gu ? lGateUp : lGate)];
+  const int I = gw.ndim() == 2 ? gw.shape(0) / (fused_gu ? 2 : 1) : 0;
+  if (I <= 0) fail("empty MLP");
+  const int dims[kLinears][2] = {{E, qd}, {E, kvd}, {E, kvd}, {E, qd + 2 * kvd}, {qd, E},
+                                 {E, I}, {E, I}, {E, 2 * I}, {I, E}};
+  for (int l = 0; l < kLinears; ++l)
+    if (p.lin(l) >= 0 && check_quantized_weight(dims[l][0], inputs[p.lin(l)], inputs[p.lin(l, 1)],
+                                                inputs[p.lin(l, 2)], p.gs, p.bits, "decoder_layer") != dims[l][1])
+      fail(std::string("projection ") + kLinearNames[l] + " has the wrong output size for the layer");
+  auto vec = [&](int slot, int n, const char* what) {
+    if (p.at[slot] < 0) return;
+    const auto& w = arr(slot);
+    if (w.dtype() != mx::float32 || w.ndim() != 1 || w.shape(0) != n)
+      fail(std::string(what) + " must be float32 (" + std::to_string(n) + ",)");
+  };
+  for (int s : {sAttnNorm, sAttnOutNorm, sMlpNorm, sMlpOutNorm}) vec(s, E, kNorms[s]);
+  vec(sQNorm, p.d, "q_norm");
+  vec(sKNorm, p.d, "k_norm");
+  vec(sQBias, qd, "q.bias");
+  vec(sKBias, kvd, "k.bias");
+  vec(sVBias, kvd, "v.bias");
+  vec(sFreqs, p.rope_dims / 2, "rope_freqs");
+  for (const auto* b : {&k_buf, &v_buf})
+    if (b->ndim() != 4 || (b->dtype() != mx::float32 && b->dtype() != mx::float16) || b->dtype() != k_buf.dtype() ||
+        b->shape(0) != x.shape(0) || b->shape(1) != p.hkv || b->shape(3) != p.d || b->shape() != k_buf.shape())
+      fail("KV buffers must be float32 or float16 (B, n_kv_heads, capacity, head_dim), the same for both");
+  if (offset < 0 || offset + x.shape(1) > k_buf.shape(2)) fail("no room in the KV buffers at this offset");
+  for (const auto* b : {&k_buf, &v_buf})
+    if (b->is_available() && !(b->flags().row_contiguous && b->data_size() == b->size()))
+      fail("KV buffers must be whole row-major buffers (from kv_reserve)");
+  inputs.push_back(k_buf);
+  inputs.push_back(v_buf);
+  return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, k_buf.dtype(), v_buf.dtype()},
+                                std::make_shared<NativeDecoderLayer>(mx::to_stream({}, mx::Device::cpu), plan_id,
+                                                                     offset, causal),
+                                std::move(inputs));
+}
+
+}  // namespace mlxinfer_cpu

@@ -1,0 +1,271 @@
+"""What a decoder layer computes, as data: :class:`LayerSpec`, built from an mlx-lm block by a table keyed by class.
+
+The native one-op layer (``decoder_layer`` in cpu_kernels/src/layer.cpp) runs whatever a LayerSpec describes:
+
+  a = attn(norm_a(x)),  h = x + (norm_ao(a) if sandwich else a),  m = mlp(norm_m(h)),  y = h + (norm_mo(m) | m)
+
+with the knobs below. Its weights travel BY NAME: :attr:`LayerSpec.weights` lists (slot name, path in the block),
+the op resolves the names once (``decoder_layer_plan``) and no position order exists anywhere else.
+
+``BUILDERS`` maps an mlx-lm block class (module, class name; looked up by identity, for the versions in
+``eligibility.VALIDATED_MLX_LM``) to the function that reads one block instance into a spec, or gives the one-line
+reason it cannot. Each builder reads the maths of that class' code in mlx-lm 0.32 (llama, qwen2, qwen3,
+qwen3_moe, gemma3_text, phi3; SmolLM3 and Mistral run llama's classes). What a builder cannot see (a method
+changed under the same class) the load-time self-check (``kernels.selfcheck``) catches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxinfer.kernels.eligibility import MLP_SWIGLU, has_role, mlx_lm_validated
+from mlxinfer.kernels.layers import builtin_class
+
+SILU, GELU_TANH = "silu", "gelu_tanh"
+_ACTIVATIONS = (SILU, GELU_TANH)  # their index is the op's activation code
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    dims: int                      # rotated leading dims of each head (partial rotary: < head_dim)
+    traditional: bool = False      # interleaved pairs (else halves, "neox")
+    base: float = 10000.0          # unused when freqs_path is set
+    scale: float = 1.0             # position scale (linear scaling: 1 / factor)
+    input_scale: float = 1.0       # Phi-3 SuScaled/LongRoPE: the rotated dims are multiplied by this first
+    freqs_path: str = ""           # a precomputed periods array in the block (Llama-3, SuScaled): its path
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    family: str                    # the mlx-lm module the builder read
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    group_size: int                # every projection: affine-quantized with one group size and bits
+    bits: int
+    weights: tuple                 # ((slot name, dotted path in the block), ...): what the op gets, by name
+    norm_eps: float                # every hidden-state RMSNorm of the layer
+    norm_placement: str = "pre"    # "pre" (llama) or "sandwich" (Gemma: norms after attention and MLP too)
+    norm_offset: float = 0.0       # 1.0: the norms multiply by 1 + stored weight (Gemma)
+    qk_norm_eps: float = 0.0       # per-head q/k RMSNorms (when their weights are in `weights`)
+    activation: str = SILU         # MLP: act(gate) * up
+    rope: Optional[RopeSpec] = None  # None: a NoPE layer
+    attn_scale: float = 1.0
+    sliding_window: int = 0        # > 0: each query attends to the last sliding_window positions only
+
+    def names(self) -> tuple:
+        return tuple(name for name, _ in self.weights)
+
+    def config(self) -> dict:
+        """The op's numbers, by name (``decoder_layer_plan``'s config)."""
+        rope = self.rope or RopeSpec(dims=0)
+        return {"group_size": self.group_size, "bits": self.bits, "n_heads": self.n_heads,
+                "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "rope_dims": rope.dims,
+                "traditional": float(rope.traditional), "rope_base": rope.base, "rope_scale": rope.scale,
+                "rope_mscale": rope.input_scale, "attn_scale": self.attn_scale, "norm_eps": self.norm_eps,
+                "qk_norm_eps": self.qk_norm_eps, "norm_offset": self.norm_offset,
+                "activation": float(_ACTIVATIONS.index(self.activation)), "window": float(self.sliding_window)}
+
+
+def resolve(block: nn.Module, path: str):
+    """The array at dotted ``path`` in ``block`` (module children by key, then a parameter or attribute)."""
+    obj = block
+    for part in path.split("."):
+        obj = obj[part] if isinstance(obj, dict) and part in obj else getattr(obj, part)
+    return obj
+
+
+def owners(block: nn.Module, spec: LayerSpec) -> tuple:
+    """((module, key), ...) in the order of ``spec.names()``: the array of each is ``module[key]`` (modules are
+    dicts; resolved once, so that a call costs one dict lookup per weight and sees weights updated in place)."""
+    out = []
+    for _, path in spec.weights:
+        mod_path, _, leaf = path.rpartition(".")
+        owner = resolve(block, mod_path) if mod_path else block
+        if leaf not in owner:
+            raise KeyError(path)
+        out.append((owner, leaf))
+    return tuple(out)
+
+
+Built = Union[LayerSpec, str]  # a spec, or why not (one line)
+
+
+# ---- the pieces builders share ----
+
+def _linear(block, path: str, name: str, q: list) -> list:
+    lin = resolve(block, path)
+    q.append(lin)
+    return [(f"{name}.{part}", f"{path}.{part}") for part in ("weight", "scales", "biases")]
+
+
+def _quant(q: list) -> Optional[str]:
+    """Why these linears are not what the op multiplies (affine-quantized, one group size and bits), or None."""
+    if not all(isinstance(x, nn.QuantizedLinear) and x.mode == "affine" and x.get("biases") is not None for x in q):
+        return "projections are not affine-quantized (the one-op layer multiplies quantized weights only)"
+    if len({(x.group_size, x.bits) for x in q}) != 1:
+        return "projections mix group sizes or bits"
+    return None
+
+
+def _rope(rope) -> Union[RopeSpec, None, str]:
+    """The RopeSpec of an mlx-lm rope module, None for SmolLM3's NoPE, or why not."""
+    from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
+
+    cls = type(rope)
+    if builtin_class(cls) is nn.RoPE:
+        return RopeSpec(dims=rope.dims, traditional=rope.traditional, base=float(rope.base), scale=float(rope.scale))
+    if cls is Llama3RoPE and isinstance(getattr(rope, "_freqs", None), mx.array):
+        return RopeSpec(dims=rope.dims, traditional=rope.traditional, freqs_path="self_attn.rope._freqs")
+    if cls is SuScaledRoPE and isinstance(getattr(rope, "_freqs", None), mx.array):
+        return RopeSpec(dims=rope.dim, input_scale=float(rope._scale), freqs_path="self_attn.rope._freqs")
+    if cls.__name__ == "NoPE" and cls.__module__ == "mlx_lm.models.smollm3":
+        return None
+    return f"RoPE {cls.__name__} is not one the op computes"
+
+
+def _rms(m, cls=nn.RMSNorm) -> Optional[float]:
+    return float(m.eps) if isinstance(m, cls) else None
+
+
+# ---- builders, one per mlx-lm block class ----
+
+def _prenorm(block, window: int, family: str, *, qk_norm: bool = False) -> Built:
+    """llama / qwen2 / qwen3 / qwen3_moe (dense layers): pre-norm, SwiGLU, separate q/k/v (Qwen2 with biases)."""
+    attn, mlp = block.self_attn, block.mlp
+    if not has_role(mlp, MLP_SWIGLU):
+        return "MLP is not the SwiGLU MLP class (e.g. a mixture of experts)"
+    q: list = []
+    weights = [("attn_norm", "input_layernorm.weight"), ("mlp_norm", "post_attention_layernorm.weight")]
+    for name, path in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                       ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+                       ("down", "mlp.down_proj")):
+        weights += _linear(block, path, name, q)
+    why = _quant(q)
+    if why:
+        return why
+    with_bias = ["bias" in x for x in q]
+    if any(with_bias[3:]) or with_bias[:3] not in ([False] * 3, [True] * 3):
+        return "biases on other projections than q/k/v"
+    if with_bias[0]:
+        weights += [(f"{n}.bias", f"self_attn.{n}_proj.bias") for n in "qkv"]
+    eps = {_rms(block.input_layernorm), _rms(block.post_attention_layernorm)}
+    if None in eps or len(eps) != 1:
+        return "norms are not two RMSNorms with one eps"
+    qk_eps = 0.0
+    if qk_norm:
+        qk = {_rms(attn.q_norm), _rms(attn.k_norm)}
+        if None in qk or len(qk) != 1:
+            return "q/k norms are not RMSNorms with one eps"
+        weights += [("q_norm", "self_attn.q_norm.weight"), ("k_norm", "self_attn.k_norm.weight")]
+        qk_eps = qk.pop()
+    head_dim = q[0]["weight"].shape[0] // attn.n_heads
+    rope = _rope(attn.rope)
+    if isinstance(rope, str):
+        return rope
+    if rope is not None and rope.freqs_path:
+        weights.append(("rope_freqs", rope.freqs_path))
+    return LayerSpec(family, attn.n_heads, attn.n_kv_heads, head_dim, q[0].group_size, q[0].bits, tuple(weights),
+                     eps.pop(), qk_norm_eps=qk_eps, rope=rope, attn_scale=float(attn.scale))
+
+
+def _gemma3(block, window: int) -> Built:
+    """gemma3_text: sandwich norms storing w - 1, q/k norms, GELU-tanh GeGLU, query_pre_attn_scalar, sliding
+    layers (``is_sliding``: the model gives them a window mask and a RotatingKVCache of ``sliding_window``)."""
+    from mlx_lm.models import gemma3_text
+
+    attn = block.self_attn
+    q: list = []
+    weights = [("attn_norm", "input_layernorm.weight"), ("attn_out_norm", "post_attention_layernorm.weight"),
+               ("mlp_norm", "pre_feedforward_layernorm.weight"), ("mlp_out_norm", "post_feedforward_layernorm.weight"),
+               ("q_norm", "self_attn.q_norm.weight"), ("k_norm", "self_attn.k_norm.weight")]
+    for name, path in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                       ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+                       ("down", "mlp.down_proj")):
+        weights += _linear(block, path, name, q)
+    why = _quant(q)
+    if why or any("bias" in x for x in q):
+        return why or "projections with a bias"
+    norms = [block.input_layernorm, block.post_attention_layernorm, block.pre_feedforward_layernorm,
+             block.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
+    eps = {_rms(n, gemma3_text.RMSNorm) for n in norms}
+    if None in eps or len(eps) != 1:
+        return "norms are not gemma3's (1 + w) RMSNorms with one eps"
+    if type(block.mlp) is not gemma3_text.MLP:
+        return "MLP is not gemma3's GeGLU MLP class"
+    rope = _rope(attn.rope)
+    if rope is None or isinstance(rope, str):
+        return rope or "no RoPE"
+    if not attn.is_sliding:
+        window = 0
+    elif window <= 0:
+        return "sliding layer without a known window"
+    eps_v = eps.pop()
+    return LayerSpec("gemma3_text", attn.n_heads, attn.n_kv_heads, attn.head_dim, q[0].group_size, q[0].bits,
+                     tuple(weights), eps_v, norm_placement="sandwich", norm_offset=1.0, qk_norm_eps=eps_v,
+                     activation=GELU_TANH, rope=rope, attn_scale=float(attn.scale), sliding_window=window)
+
+
+def _phi3(block, window: int) -> Built:
+    """phi3 (Phi-3, Phi-4-mini): fused qkv_proj and gate_up_proj, partial rotary, SuScaled/LongRoPE."""
+    attn = block.self_attn
+    q: list = []
+    weights = [("attn_norm", "input_layernorm.weight"), ("mlp_norm", "post_attention_layernorm.weight")]
+    for name, path in (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"), ("gate_up", "mlp.gate_up_proj"),
+                       ("down", "mlp.down_proj")):
+        weights += _linear(block, path, name, q)
+    why = _quant(q)
+    if why or any("bias" in x for x in q):
+        return why or "projections with a bias"
+    eps = {_rms(block.input_layernorm), _rms(block.post_attention_layernorm)}
+    if None in eps or len(eps) != 1:
+        return "norms are not two RMSNorms with one eps"
+    rope = _rope(attn.rope)
+    if rope is None or isinstance(rope, str):
+        return rope or "no RoPE"
+    if rope.freqs_path:
+        weights.append(("rope_freqs", rope.freqs_path))
+    return LayerSpec("phi3", attn.n_heads, attn.n_kv_heads, attn.head_dim, q[0].group_size, q[0].bits,
+                     tuple(weights), eps.pop(), rope=rope, attn_scale=float(attn.scale))
+
+
+# (mlx_lm.models module, block class name) -> builder. Mistral and SmolLM2/SmolLM3 run llama's classes.
+BUILDERS: dict[tuple[str, str], Callable[[nn.Module, int], Built]] = {
+    ("llama", "TransformerBlock"): lambda b, w: _prenorm(b, w, "llama"),
+    ("qwen2", "TransformerBlock"): lambda b, w: _prenorm(b, w, "qwen2"),
+    ("qwen3", "TransformerBlock"): lambda b, w: _prenorm(b, w, "qwen3", qk_norm=True),
+    ("qwen3_moe", "Qwen3MoeDecoderLayer"): lambda b, w: _prenorm(b, w, "qwen3_moe", qk_norm=True),
+    ("gemma3_text", "TransformerBlock"): _gemma3,
+    ("phi3", "TransformerBlock"): _phi3,
+}
+
+
+def builder_of(cls: type) -> Optional[Callable[[nn.Module, int], Built]]:
+    """The builder for an mlx-lm block class (by identity, validated mlx-lm versions only), or None."""
+    import sys
+
+    cls = getattr(cls, "_fused_base", None) or cls
+    module = getattr(cls, "__module__", "")
+    if not module.startswith("mlx_lm.models.") or mlx_lm_validated() is not None:
+        return None
+    key = (module[len("mlx_lm.models."):], cls.__qualname__)
+    if key not in BUILDERS or getattr(sys.modules.get(module), cls.__qualname__, None) is not cls:
+        return None
+    return BUILDERS[key]
+
+
+def spec_of(block: nn.Module, window: int = 0) -> Built:
+    """The block's LayerSpec, or one line saying why the one-op layer does not take it. ``window``: the model's
+    sliding window (gemma3_text keeps it on the model; its sliding layers need it)."""
+    build = builder_of(type(block))
+    if build is None:
+        return f"{type(block).__name__} is not a block class in the spec table"
+    try:
+        return build(block, window)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # a block shaped unlike its class' code
+        return f"cannot read the block ({exc})"
+

@@ -1,0 +1,162 @@
+"""The spec-driven one-op decoder layer (``kernels.spec`` + ``decoder_layer``) per architecture: the spec read from
+each mlx-lm block class, fused vs MLX built-in logits over a prefill and 32 decode steps, and the self-check
+refusing a changed gemma3 / phi3 class.
+
+Tolerance: the fused path differs from MLX's by rounding only — the VNNI/AVX2 matvec rounds activations per
+group, and the KV cache is float16 by default. Measured on these tiny models (logits std ~4): max abs difference
+relative to the largest |logit| below 5e-3; ``REL_TOL`` = 2e-2 (a changed formula gives 1e-1 and more).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as cache_lib
+from mlx_lm.models import gemma3_text, phi3
+
+from mlxinfer.kernels import fused_block, patch, selfcheck, spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+import tiny_arch  # noqa: E402
+
+REL_TOL = 2e-2
+DECODE_STEPS = 32
+PROMPT = [1, 17, 923, 4, 88, 1203, 5, 77, 311, 9, 40, 2048, 3, 61, 500, 12, 7, 1999, 25, 8, 640, 33, 2, 91]
+# Gemma with a window of 16 so that the 24-token prompt and the decode steps both run past it.
+CASES = {
+    "llama": {}, "qwen2": {}, "qwen3": {}, "smollm3": {}, "phi3": {}, "phi4_mini": {},
+    "gemma3_text": {"sliding_window": 16},
+}
+
+
+@pytest.fixture(scope="module")
+def native():
+    from mlxinfer import native as native_mod
+
+    provider = native_mod.provider()
+    if provider is None or getattr(provider, "decoder_layer", None) is None:
+        pytest.skip(f"native CPU kernels not built: {native_mod.status()}")
+    return provider
+
+
+def model_for(name: str):
+    return tiny_arch.make_model(name, overrides=CASES[name])
+
+
+def teacher_forced(model, tokens: list) -> mx.array:
+    """Logits of a prefill of PROMPT and then one step per token of ``tokens`` (the same inputs for both paths)."""
+    cache = cache_lib.make_prompt_cache(model)
+    out = [model(mx.array([PROMPT]), cache=cache)[0, -1]]
+    for t in tokens:
+        out.append(model(mx.array([[t]]), cache=cache)[0, -1])
+    mx.eval(out)
+    return mx.stack(out)
+
+
+def greedy(model) -> list:
+    cache = cache_lib.make_prompt_cache(model)
+    logits = model(mx.array([PROMPT]), cache=cache)[0, -1]
+    tokens = []
+    for _ in range(DECODE_STEPS):
+        tokens.append(int(mx.argmax(logits)))
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
+    return tokens
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_layers_match_builtin_over_prefill_and_decode(native, name):
+    model = model_for(name)
+    patch.apply_kernels(model, "builtin")
+    tokens = greedy(model)
+    expected = teacher_forced(model, tokens)
+    report = patch.apply_kernels(model, "auto")
+    n = len(model.layers)
+    assert f"{n} decoder layers as one op" in report.detail, report.detail
+    assert "self-check" not in report.detail, report.detail
+    assert all(fused_block.is_one_op(layer) for layer in model.layers)
+    got = teacher_forced(model, tokens)
+    err = float(mx.abs(got - expected).max()) / float(mx.abs(expected).max())
+    assert err < REL_TOL, err
+    assert greedy(model)[:8] == tokens[:8]  # the first greedy choices agree too
+    patch.apply_kernels(model, "builtin")
+
+
+def test_gemma3_spec_reads_the_class():
+    model = model_for("gemma3_text")
+    s0, s1 = (spec.spec_of(b, 16) for b in model.layers)
+    assert s0.norm_placement == "sandwich" and s0.norm_offset == 1.0 and s0.activation == spec.GELU_TANH
+    assert s0.sliding_window == 16 and s1.sliding_window == 0  # pattern 2: layer 1 is global
+    assert s0.rope.base == 10000.0 and s1.rope.base == 1e6
+    assert s0.attn_scale == pytest.approx(32 ** -0.5) and s0.qk_norm_eps == s0.norm_eps == 1e-6
+    assert {"q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"} <= set(s0.names())
+    assert isinstance(spec.spec_of(model.layers[0], 0), str)  # a sliding layer without a window: refused
+
+
+def test_phi3_spec_reads_the_class():
+    s = spec.spec_of(model_for("phi4_mini").layers[0])
+    assert {"qkv.weight", "gate_up.weight", "rope_freqs"} <= set(s.names()) and "q.weight" not in s.names()
+    assert s.rope.dims == 12 and s.head_dim == 16 and s.rope.input_scale > 1.0  # partial rotary, LongRoPE scale
+    plain = spec.spec_of(model_for("phi3").layers[0])
+    assert plain.rope.dims == 16 and plain.rope.freqs_path == "" and plain.rope.input_scale == 1.0
+
+
+def test_smollm3_nope_layers():
+    a, b = (spec.spec_of(layer) for layer in model_for("smollm3").layers)
+    assert a.rope is not None and b.rope is None  # no_rope_layer_interval 2: layer 1 has no RoPE
+
+
+def test_plan_takes_names_not_positions(native):
+    s = spec.spec_of(model_for("llama").layers[0])
+    names = list(s.names())
+    assert native.decoder_layer_plan(names, s.config()) is not None
+    assert native.decoder_layer_plan(list(reversed(names)), s.config()) is not None  # any order
+    assert native.decoder_layer_plan(names + ["o.bias"], s.config()) is None  # a weight the op has no slot for
+    assert native.decoder_layer_plan(names[:-1], s.config()) is None  # a missing one
+    assert native.decoder_layer_plan(names, {**s.config(), "activation": 7}) is None
+
+
+def _silu_mlp(self, x):
+    import mlx.nn as nn
+
+    return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _phi3_gelu_mlp(self, x):
+    import mlx.nn as nn
+
+    gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+    return self.down_proj(nn.gelu_approx(gate) * up)
+
+
+def _with_bias(original):
+    # 2.0 on hidden states reaching ~36 here (the self-check compares relative to the largest magnitude)
+    def __call__(self, x, mask=None, cache=None):
+        return original(self, x, mask, cache) + 2.0
+
+    return __call__
+
+
+@pytest.mark.parametrize("name,change", [("gemma3_text", "silu mlp"), ("gemma3_text", "added bias"),
+                                         ("phi3", "gelu mlp"), ("phi3", "added bias")])
+def test_selfcheck_refuses_changed_classes(native, monkeypatch, name, change):
+    mod = gemma3_text if name == "gemma3_text" else phi3
+    if change == "silu mlp":
+        monkeypatch.setattr(gemma3_text.MLP, "__call__", _silu_mlp)
+    elif change == "gelu mlp":
+        monkeypatch.setattr(phi3.MLP, "__call__", _phi3_gelu_mlp)
+    else:
+        monkeypatch.setattr(mod.TransformerBlock, "__call__", _with_bias(mod.TransformerBlock.__call__))
+    model = model_for(name)
+    patch.apply_kernels(model, "builtin")
+    tokens = greedy(model)[:4]
+    expected = teacher_forced(model, tokens)
+    report = patch.apply_kernels(model, "auto")
+    assert "self-check" in report.detail and "disagreed" in report.detail, report.detail
+    assert "decoder layers as one op" not in report.detail, report.detail
+    got = teacher_forced(model, tokens)
+    assert mx.allclose(got, expected, atol=2e-3, rtol=2e-3).item(), float(mx.abs(got - expected).max())
+    assert not any(selfcheck._is_fused(m) for _, m in model.named_modules())
+    patch.apply_kernels(model, "builtin")
