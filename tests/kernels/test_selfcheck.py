@@ -19,7 +19,7 @@ def native():
     from mlxinfer import native as native_mod
 
     provider = native_mod.provider()
-    if provider is None or getattr(provider, "decoder_block", None) is None:
+    if provider is None or getattr(provider, "decoder_layer", None) is None:
         pytest.skip(f"native CPU kernels not built: {native_mod.status()}")
     return provider
 
@@ -130,7 +130,7 @@ def test_broken_per_op_kernel_falls_back_to_builtins(native, monkeypatch):
         def __getattr__(self, item):
             return getattr(native, item)
 
-        def decoder_block(self, *a, **kw):  # decline the one-op layer: the per-op kernels run
+        def decoder_layer(self, *a, **kw):  # decline the one-op layer: the per-op kernels run
             return None
 
         def quantized_matmul(self, x, w, scales, biases, **kw):

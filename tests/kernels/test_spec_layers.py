@@ -2,9 +2,10 @@
 each mlx-lm block class, fused vs MLX built-in logits over a prefill and 32 decode steps, and the self-check
 refusing a changed gemma3 / phi3 class.
 
-Tolerance: the fused path differs from MLX's by rounding only — the VNNI/AVX2 matvec rounds activations per
-group, and the KV cache is float16 by default. Measured on these tiny models (logits std ~4): max abs difference
-relative to the largest |logit| below 5e-3; ``REL_TOL`` = 2e-2 (a changed formula gives 1e-1 and more).
+Tolerance: the fused path differs from MLX's by rounding only. Measured on these tiny models (AVX2, max abs logit
+difference relative to the largest |logit|, prefill + 32 decode steps): 1.3e-4 to 7.8e-4 with the default
+float16 KV cache, 0.9e-6 to 2.5e-6 with MLXINFER_KV_DTYPE=float32. ``REL_TOL`` = 5e-3 (float16) and 5e-5
+(float32); a changed formula gives 1e-1 and more.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mlxinfer.kernels import fused_block, patch, selfcheck, spec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 import tiny_arch  # noqa: E402
 
-REL_TOL = 2e-2
+REL_TOL = {"float16": 5e-3, "float32": 5e-5}
 DECODE_STEPS = 32
 PROMPT = [1, 17, 923, 4, 88, 1203, 5, 77, 311, 9, 40, 2048, 3, 61, 500, 12, 7, 1999, 25, 8, 640, 33, 2, 91]
 # Gemma with a window of 16 so that the 24-token prompt and the decode steps both run past it.
@@ -66,8 +67,10 @@ def greedy(model) -> list:
     return tokens
 
 
+@pytest.mark.parametrize("kv", ["float16", "float32"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_fused_layers_match_builtin_over_prefill_and_decode(native, name):
+def test_fused_layers_match_builtin_over_prefill_and_decode(native, name, kv, monkeypatch):
+    monkeypatch.setenv("MLXINFER_KV_DTYPE", kv)
     model = model_for(name)
     patch.apply_kernels(model, "builtin")
     tokens = greedy(model)
@@ -79,8 +82,9 @@ def test_fused_layers_match_builtin_over_prefill_and_decode(native, name):
     assert all(fused_block.is_one_op(layer) for layer in model.layers)
     got = teacher_forced(model, tokens)
     err = float(mx.abs(got - expected).max()) / float(mx.abs(expected).max())
-    assert err < REL_TOL, err
-    assert greedy(model)[:8] == tokens[:8]  # the first greedy choices agree too
+    assert err < REL_TOL[kv], err
+    if kv == "float32":
+        assert greedy(model) == tokens
     patch.apply_kernels(model, "builtin")
 
 

@@ -162,10 +162,14 @@ def test_generation_cache_reuse(arch, tiny):
     assert greedy(tiny, prompt[-1:], cache) == reply
 
 
-def test_custom_kernels_same_greedy_tokens(arch, tiny, tiny_model_dir):
+def test_custom_kernels_same_greedy_tokens(arch, tiny, tiny_model_dir, monkeypatch):
     """kernels="auto" (the backend's custom kernels patched in) gives the greedy tokens of the built-ins."""
     from mlxinfer.kernels.patch import apply_kernels, select_provider
 
+    # The one-op layers' default float16 KV cache rounds keys/values (~1e-3 of the logits: tests/kernels/
+    # test_spec_layers.py bounds it); the random tiny models have near-ties that such rounding may flip (phi3 did),
+    # so exact token parity is checked with the float32 cache, where the fused maths matches to ~1e-6.
+    monkeypatch.setenv("MLXINFER_KV_DTYPE", "float32")
     provider, why = select_provider()
     if provider is None:
         pytest.skip(f"no custom kernel provider on this backend: {why}")
