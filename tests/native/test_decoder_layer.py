@@ -1,0 +1,137 @@
+"""The spec-driven whole-layer op (``decoder_layer``) against the same layer written in MLX ops: Gemma-style
+(sandwich 1 + w norms, q/k norms, GELU-tanh, sliding window) and Phi-style (fused qkv and gate_up, partial rotary
+with precomputed periods and an input scale) layers, batch 2, prefill chunks past the window, float16 caches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.base import create_causal_mask
+
+pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
+
+# (B, L, hidden, intermediate, n_heads, n_kv_heads, head_dim, rope dims, offset, group, bits, window, kind, half)
+CASES = [
+    (2, 6, 256, 384, 4, 1, 64, 64, 20, 64, 4, 8, "gemma", False),  # prefill chunk past the window, batch 2
+    (1, 1, 256, 384, 4, 2, 64, 64, 30, 64, 4, 8, "gemma", True),   # decode past the window, float16 cache
+    (1, 5, 256, 384, 4, 2, 64, 64, 0, 64, 4, 16, "gemma", False),  # inside the window: plain causal
+    (1, 4, 256, 512, 4, 4, 64, 48, 9, 32, 4, 0, "phi", False),     # fused qkv/gate_up, partial rotary, LongRoPE
+    (2, 1, 256, 512, 4, 2, 64, 48, 9, 32, 8, 0, "phi", True),
+]
+
+
+def _case_layer(case):
+    B, L, E, I, hq, hkv, D, dims, offset, gs, bits, window, kind, half = case
+    mx.random.seed(sum(c for c in case if isinstance(c, int)))
+    q = lambda s: mx.quantize(mx.random.normal(s) * 0.1, group_size=gs, bits=bits)  # noqa: E731
+    qd, kvd = hq * D, hkv * D
+    arrays: dict = {}
+
+    def lin(name, shape):
+        arrays[f"{name}.weight"], arrays[f"{name}.scales"], arrays[f"{name}.biases"] = q(shape)
+
+    if kind == "gemma":
+        for name, shape in (("q", (qd, E)), ("k", (kvd, E)), ("v", (kvd, E)), ("o", (E, qd)), ("gate", (I, E)),
+                            ("up", (I, E)), ("down", (E, I))):
+            lin(name, shape)
+        for name in ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm"):
+            arrays[name] = 0.1 * mx.random.normal((E,))
+        arrays["q_norm"], arrays["k_norm"] = 0.1 * mx.random.normal((D,)), 0.1 * mx.random.normal((D,))
+    else:
+        for name, shape in (("qkv", (qd + 2 * kvd, E)), ("o", (E, qd)), ("gate_up", (2 * I, E)), ("down", (E, I))):
+            lin(name, shape)
+        arrays["attn_norm"], arrays["mlp_norm"] = 1 + 0.1 * mx.random.normal((E,)), 1 + 0.1 * mx.random.normal((E,))
+        arrays["rope_freqs"] = mx.power(10000.0, mx.arange(0, dims, 2) / dims) * (1 + mx.arange(dims // 2) / 3)
+    config = {"group_size": gs, "bits": bits, "n_heads": hq, "n_kv_heads": hkv, "head_dim": D, "rope_dims": dims,
+              "traditional": 0, "rope_base": 10000.0, "rope_scale": 1.0,
+              "rope_mscale": 1.0 if kind == "gemma" else 1.19, "attn_scale": 0.1 if kind == "gemma" else D ** -0.5,
+              "norm_eps": 1e-6, "qk_norm_eps": 1e-6, "norm_offset": 1.0 if kind == "gemma" else 0.0,
+              "activation": 1 if kind == "gemma" else 0, "window": window}
+    return arrays, config
+
+
+def _reference(x, a, c, k_old, v_old, kind, causal):
+    B, L, _ = x.shape
+    hq, hkv, D, dims, off = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["rope_dims"], c["norm_offset"]
+    mm = lambda t, n: mx.quantized_matmul(t, a[f"{n}.weight"], a[f"{n}.scales"], a[f"{n}.biases"],  # noqa: E731
+                                          transpose=True, group_size=c["group_size"], bits=c["bits"])
+    norm = lambda t, n: mx.fast.rms_norm(t, a[n] + off, c["norm_eps"])  # noqa: E731
+    heads = lambda t, n: t.reshape(B, L, n, D).transpose(0, 2, 1, 3)  # noqa: E731
+    freqs = a.get("rope_freqs")
+
+    def rope(t):
+        t = t.at[..., :dims].multiply(c["rope_mscale"]) if c["rope_mscale"] != 1.0 else t
+        return mx.fast.rope(t, dims, traditional=False, base=None if freqs is not None else c["rope_base"],
+                            scale=1.0, offset=k_old.shape[2], freqs=freqs)
+
+    xn = norm(x, "attn_norm")
+    if kind == "gemma":
+        q, k, v = heads(mm(xn, "q"), hq), heads(mm(xn, "k"), hkv), heads(mm(xn, "v"), hkv)
+        q = mx.fast.rms_norm(q, a["q_norm"] + off, c["qk_norm_eps"])
+        k = mx.fast.rms_norm(k, a["k_norm"] + off, c["qk_norm_eps"])
+    else:
+        q, k, v = mx.split(mm(xn, "qkv"), [hq * D, (hq + hkv) * D], axis=-1)
+        q, k, v = heads(q, hq), heads(k, hkv), heads(v, hkv)
+    q, k = rope(q), rope(k)
+    keys, values = mx.concatenate([k_old, k], axis=2), mx.concatenate([v_old, v], axis=2)
+    mask = "causal" if causal and L > 1 else None
+    if c["window"]:
+        mask = create_causal_mask(L, k_old.shape[2], window_size=c["window"])
+    o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=c["attn_scale"], mask=mask)
+    r = mm(o.transpose(0, 2, 1, 3).reshape(B, L, -1), "o")
+    h = x + (norm(r, "attn_out_norm") if kind == "gemma" else r)
+    hn = norm(h, "mlp_norm")
+    if kind == "gemma":
+        m = mm(nn.gelu_approx(mm(hn, "gate")) * mm(hn, "up"), "down")
+        return h + norm(m, "mlp_out_norm"), keys, values
+    g, u = mx.split(mm(hn, "gate_up"), 2, axis=-1)
+    return h + mm(nn.silu(g) * u, "down"), keys, values
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_mlx(native_ext, case):
+    B, L, E, I, hq, hkv, D, dims, offset, gs, bits, window, kind, half = case
+    arrays, config = _case_layer(case)
+    x = mx.random.normal((B, L, E))
+    k_old, v_old = mx.random.normal((B, hkv, offset, D)), mx.random.normal((B, hkv, offset, D))
+    if half:  # the reference sees what a float16 cache holds
+        k_old, v_old = k_old.astype(mx.float16).astype(mx.float32), v_old.astype(mx.float16).astype(mx.float32)
+    cap = offset + L + 5
+    k_buf = native_ext.kv_reserve([B, hkv, cap, D], k_old, valid=offset, half=half)
+    v_buf = native_ext.kv_reserve([B, hkv, cap, D], v_old, valid=offset, half=half)
+    names = sorted(arrays)  # any order: the op goes by name
+    plan = native_ext.decoder_layer_plan(names, {k: float(v) for k, v in config.items()})
+    y, k2, v2 = native_ext.decoder_layer(x, [arrays[n] for n in names], k_buf, v_buf, offset, L > 1, plan)
+    ref_y, ref_k, ref_v = _reference(x, arrays, config, k_old, v_old, kind, L > 1)
+    mx.eval(y, k2, v2, ref_y)
+    tol = 2e-2 if half else 2e-3
+    scale = float(mx.abs(ref_y).max())
+    assert float(mx.abs(y - ref_y).max()) < tol * scale
+    n = offset + L
+    assert mx.allclose(k2[:, :, :n].astype(mx.float32), ref_k, atol=tol * 10).item()
+    assert mx.allclose(v2[:, :, :n].astype(mx.float32), ref_v, atol=tol * 10).item()
+
+
+def test_plan_rejects_what_is_not_a_layer(native_ext):
+    arrays, config = _case_layer(CASES[0])
+    config = {k: float(v) for k, v in config.items()}
+    names = sorted(arrays)
+    with pytest.raises(ValueError, match="unknown weight name"):
+        native_ext.decoder_layer_plan(names + ["softcap"], config)
+    with pytest.raises(ValueError, match="given twice"):
+        native_ext.decoder_layer_plan(names + ["q.weight"], config)
+    with pytest.raises(ValueError, match="needs q, k, v"):
+        native_ext.decoder_layer_plan([n for n in names if not n.startswith("k.")], config)
+    with pytest.raises(ValueError, match="lacks 'window'"):
+        native_ext.decoder_layer_plan(names, {k: v for k, v in config.items() if k != "window"})
+    plan = native_ext.decoder_layer_plan(names, config)
+    x = mx.zeros((1, 1, 256))
+    kb = native_ext.kv_reserve([1, 1, 8, 64])
+    with pytest.raises(ValueError, match="match the plan"):
+        native_ext.decoder_layer(x, [arrays[n] for n in names[:-1]], kb, kb, 0, False, plan)
+    swapped = [arrays[n] for n in names]
+    i, j = names.index("attn_norm"), names.index("q_norm")
+    swapped[i], swapped[j] = swapped[j], swapped[i]  # arrays not in the plan's name order
+    with pytest.raises(ValueError):
+        native_ext.decoder_layer(x, swapped, kb, kb, 0, False, plan)
