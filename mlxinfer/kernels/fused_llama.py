@@ -150,7 +150,7 @@ def _block_call(base: type) -> Callable:
             y = fused_block.native_block(self, x, mask, cache)
             if y is not None:
                 return y
-        if not _fused_parts(self):  # a block only the whole-layer op covers (e.g. Qwen3's q/k norms)
+        if not fused_parts(self):  # a block only the whole-layer op covers (e.g. Qwen3's q/k norms)
             return base.__call__(self, x, mask, cache)
         h = self.self_attn(x, mask, cache, residual=x, norm=self.input_layernorm)
         return self.mlp(h, residual=h, norm=self.post_attention_layernorm)
@@ -158,7 +158,7 @@ def _block_call(base: type) -> Callable:
     return __call__
 
 
-def _fused_parts(m: nn.Module) -> bool:
+def fused_parts(m: nn.Module) -> bool:
     """The block's attention and MLP are the fused ones above (they take residual= and norm=)."""
     return fused_kind(getattr(m, "self_attn", None)) == "attention" and fused_kind(getattr(m, "mlp", None)) == "swiglu"
 
@@ -196,7 +196,7 @@ def swap_blocks(model: nn.Module, provider: KernelProvider, caps: Capabilities) 
         if in_table and caps.decoder_block:
             why = fused_block.prepare(m, provider, windows.get(id(m), 0))
         one_op = why == ""
-        if one_op or (prenorm and _fused_parts(m)):
+        if one_op or (prenorm and fused_parts(m)):
             bind(m, fused_subclass("block", builtin_class(type(m)), _block_call), provider)
             swapped, native = swapped + 1, native + bool(one_op)
         else:

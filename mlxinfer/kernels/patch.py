@@ -160,6 +160,8 @@ def describe(model: nn.Module) -> str:
         label = kinds[kind] if kind else labels.get(type(m))
         if kind == "block" and fused_block.is_one_op(m):
             counts["decoder layers as one op"] = counts.get("decoder layers as one op", 0) + 1
+            if not fused_llama.fused_parts(m):  # no per-op fallback with skip connections (gemma3, phi3)
+                label = None
         if label:
             counts[label] = counts.get(label, 0) + 1
     first = [f"{counts.pop(k)} {k}" for k in ("quantized linear layers", "fused SwiGLU MLPs")]
