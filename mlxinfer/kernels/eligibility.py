@@ -13,8 +13,13 @@ Roles:
   mlp/swiglu       down_proj(silu(gate_proj(x)) * up_proj(x))
   block/prenorm    h = x + attn(input_layernorm(x)); h + mlp(post_attention_layernorm(h))
 
-Adding a family: a row here, a tiny random-weight model in tests/models/tiny_arch.py, and the parity tests in
-tests/kernels/ (docs/cpu-kernels.md, "Adding an architecture").
+The one-op decoder layer has its own table next to this one: ``kernels.spec.BUILDERS`` maps a block class (same
+identity rule, same versions) to the builder that reads a block into a ``LayerSpec`` (gemma3_text and phi3
+blocks are only there: their layers have no per-op fused path).
+
+Adding a family: a row here (per-op fused attention/MLP) and/or a builder in ``kernels.spec``, a tiny
+random-weight model in tests/models/tiny_arch.py, and the parity tests in tests/kernels/ (docs/cpu-kernels.md,
+"Adding an architecture").
 """
 
 from __future__ import annotations
