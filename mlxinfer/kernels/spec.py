@@ -60,6 +60,23 @@ class LayerSpec:
     def names(self) -> tuple:
         return tuple(name for name, _ in self.weights)
 
+    # What the weight names imply (the op reads the same from the names it gets).
+    @property
+    def fused_qkv(self) -> bool:
+        return "qkv.weight" in self.names()
+
+    @property
+    def fused_gate_up(self) -> bool:
+        return "gate_up.weight" in self.names()
+
+    @property
+    def qkv_bias(self) -> bool:
+        return "q.bias" in self.names()
+
+    @property
+    def qk_norm(self) -> bool:
+        return "q_norm" in self.names()
+
     def config(self) -> dict:
         """The op's numbers, by name (``decoder_layer_plan``'s config)."""
         rope = self.rope or RopeSpec(dims=0)

@@ -96,6 +96,7 @@ def test_gemma3_spec_reads_the_class():
     assert s0.rope.base == 10000.0 and s1.rope.base == 1e6
     assert s0.attn_scale == pytest.approx(32 ** -0.5) and s0.qk_norm_eps == s0.norm_eps == 1e-6
     assert {"q_norm", "k_norm", "attn_out_norm", "mlp_out_norm"} <= set(s0.names())
+    assert s0.qk_norm and not (s0.fused_qkv or s0.fused_gate_up or s0.qkv_bias)
     assert isinstance(spec.spec_of(model.layers[0], 0), str)  # a sliding layer without a window: refused
 
 
@@ -103,6 +104,7 @@ def test_phi3_spec_reads_the_class():
     s = spec.spec_of(model_for("phi4_mini").layers[0])
     assert {"qkv.weight", "gate_up.weight", "rope_freqs"} <= set(s.names()) and "q.weight" not in s.names()
     assert s.rope.dims == 12 and s.head_dim == 16 and s.rope.input_scale > 1.0  # partial rotary, LongRoPE scale
+    assert s.fused_qkv and s.fused_gate_up and not s.qk_norm and s.activation == spec.SILU
     plain = spec.spec_of(model_for("phi3").layers[0])
     assert plain.rope.dims == 16 and plain.rope.freqs_path == "" and plain.rope.input_scale == 1.0
 
@@ -110,6 +112,14 @@ def test_phi3_spec_reads_the_class():
 def test_smollm3_nope_layers():
     a, b = (spec.spec_of(layer) for layer in model_for("smollm3").layers)
     assert a.rope is not None and b.rope is None  # no_rope_layer_interval 2: layer 1 has no RoPE
+
+
+def test_qwen2_biases_and_report_for_a_block_the_op_cannot_take(native):
+    assert spec.spec_of(model_for("qwen2").layers[0]).qkv_bias
+    model = tiny_arch.make_model("qwen3_moe")
+    report = patch.apply_kernels(model, "auto")
+    assert "2 decoder layers not as one op: MLP is not the SwiGLU MLP class" in report.detail, report.detail
+    patch.apply_kernels(model, "builtin")
 
 
 def test_plan_takes_names_not_positions(native):
