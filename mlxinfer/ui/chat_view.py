@@ -241,6 +241,10 @@ def header_rows(loaded, session) -> list[tuple[str, str]]:
         ("backend", f"{backend}, {loaded.dtype}"),
         ("kernels", kernels),
     ]
+    if session.kv.active:
+        from .chat_commands import kv_cache_line
+
+        rows.append(("KV cache", kv_cache_line(session)))
     if session.system:
         rows.append(("system", session.system if len(session.system) <= 60 else session.system[:57] + "..."))
     return rows
