@@ -34,7 +34,7 @@ PROVENANCE = {
                  "bandwidth_method", "load_avg_1m"),
     "os": ("system", "release", "machine", "platform", "python"),
     "workload": ("kind", "prompt_tokens", "gen_tokens", "depth", "batch", "prompt_source", "seed", "warmup",
-                 "repetitions", "sampler", "ignore_eos", "prefill_step"),
+                 "repetitions", "sampler", "ignore_eos", "prefill_step", "kv_bits", "max_kv_size"),
 }
 
 
@@ -54,6 +54,16 @@ class BenchOptions:
     bandwidth_gbps: float | None = None
     threads: list[int] | None = None  # -t: native-kernel worker threads to sweep; None: leave them as they are
     llama: bool = False                # llama-bench's separate ppP and tgN tests instead of one ppP+tgN test
+    kv_bits: int | None = None         # --kv-bits / --max-kv-size: the cache both engines run with (kv_options)
+    max_kv_size: int | None = None
+
+    def kv(self, context_length: int | None = None):
+        """The KV-cache options (validated, against ``context_length`` when given); None for a plain cache."""
+        from ..engine.kv_options import resolve
+
+        opts = resolve(flags={"kv_bits": self.kv_bits, "max_kv_size": self.max_kv_size},
+                       context_length=context_length)
+        return opts if opts.active else None
 
     def cases(self) -> list[Case]:
         return expand_cases(self.prompts, self.gens, self.depths, self.batches, self.prefixes, split=self.llama)
@@ -83,6 +93,9 @@ class BenchOptions:
         if self.llama and (self.batches is not None or self.prefixes):
             raise InvalidParameter("--llama-bench runs ppP and tgN tests only, not -b or --prefix-cache",
                                    hint="run those without --llama-bench")
+        if self.kv() is not None and (self.batches is not None or self.prefixes):
+            raise InvalidParameter("--kv-bits / --max-kv-size apply to single-stream tests, not -b or --prefix-cache",
+                                   hint="run those without the KV-cache options")
         if self.threads is not None and not all(1 <= t <= MAX_THREADS for t in self.threads):
             raise InvalidParameter(f"invalid thread count {max(self.threads)}: must be between 1 and {MAX_THREADS}")
         if min(self.depths, default=0) < 0 or min(self.prefixes, default=1) < 1:
@@ -137,6 +150,7 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
     for spec in specs:
         path, context = context_length_of(spec)
         check_context(spec.alias or spec.name, context, cases)
+        opts.kv(context)  # --max-kv-size within this model's context
         config = json.loads((path / "config.json").read_text())
         check_memory(spec.alias or spec.name, path, config, cases, on_cpu=backend() == "cpu")
     hw = hardware_info(bandwidth_gbps=opts.bandwidth_gbps)
@@ -156,12 +170,14 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
         loaded = (load or default_load)(spec, kernels=opts.kernels)
         source = _prompt_source(loaded, opts)
         common = dict(hardware=hw, system=system, source=source, opts=opts, ticker=ticker, emit=emit)
-        info, timed = provenance.loaded_model_info(loaded), measure.mlxinfer_timed(loaded)
+        kv = opts.kv(loaded.context_length)
+        info, timed = provenance.loaded_model_info(loaded), measure.mlxinfer_timed(loaded, kv)
         before = _native_threads(loaded)
         try:
             for count in sweep:
                 engine = {**provenance.engine_info(loaded), "kernels_requested": resolve_mode(opts.kernels),
                           "threads": _set_threads(loaded, count)}
+                engine["kernels_detail"] = _with_kv_note(engine["kernels_detail"], loaded.model, kv)
                 _run_engine(cases, model=loaded.model, config=loaded.config, timed=timed, engine=engine,
                             model_info=info, **common)
         finally:
@@ -181,6 +197,14 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
             del loaded
         _free()
     return records
+
+
+def _with_kv_note(detail: str | None, model, kv) -> str | None:
+    """The kernel report plus what the custom kernels do about a quantized or capped cache (kv_options)."""
+    from ..engine.kv_options import kernel_note
+
+    note = kernel_note(model, kv)
+    return f"{detail}; {note}" if note and detail else (note or detail)
 
 
 def check_threads(threads: list[int] | None, kernels: str = "auto") -> None:
@@ -275,16 +299,17 @@ class _Ticker:
 
 def _run_engine(cases, *, model, config, timed, engine, model_info, hardware, system, source, opts, ticker, emit):
     weights = measure.weights_read_per_token(model, config)
+    kv = opts.kv()
     for case in cases:
         what = f"{engine['name']} {model_info['name']} {case.label}"
         ticker(what, 0)
         shared: dict = {}  # the prefix cache of a prefix test, filled once and reused by its repetitions
         for _ in range(opts.warmup):
-            _measure(case, model, timed, source, shared, gen=min(case.gen, WARMUP_GEN), depth=0)
+            _measure(case, model, timed, source, shared, gen=min(case.gen, WARMUP_GEN), depth=0, kv=kv)
             ticker(what + " (warmup)")
         samples = []
         for _ in range(opts.repetitions):
-            samples.append(_measure(case, model, timed, source, shared))
+            samples.append(_measure(case, model, timed, source, shared, kv=kv))
             ticker(what)
         if case.kind == "prefix":
             results = _prefix_results(samples)
@@ -298,7 +323,7 @@ def _run_engine(cases, *, model, config, timed, engine, model_info, hardware, sy
 
 
 def _measure(case: Case, model, timed, source: PromptSource, shared: dict, gen: int | None = None,
-             depth: int | None = None):
+             depth: int | None = None, kv=None):
     n = case.gen if gen is None else gen
     d = case.depth if depth is None else depth
     if case.kind == "batch":
@@ -307,7 +332,7 @@ def _measure(case: Case, model, timed, source: PromptSource, shared: dict, gen: 
     tokens = source.take(case.depth + case.prompt)
     context, prompt = tokens[:case.depth], tokens[case.depth:]
     if case.kind in ("generate", "pp", "tg"):
-        return measure.run_stream(timed, model, prompt, n, context[:d] if d else ())
+        return measure.run_stream(timed, model, prompt, n, context[:d] if d else (), kv=kv)
     if "cache" not in shared:
         shared["cache"] = measure.new_cache(model, context)
     return _prefix_sample(model, timed, shared["cache"], context, prompt)
@@ -382,6 +407,6 @@ def _record(case, engine, model_info, hardware, system, source, opts, results) -
         "workload": {"kind": case.kind, "prompt_tokens": case.prompt, "gen_tokens": case.gen, "depth": case.depth,
                      "batch": case.batch, "prompt_source": source.label, "seed": opts.seed, "warmup": opts.warmup,
                      "repetitions": opts.repetitions, "sampler": "greedy", "ignore_eos": True,
-                     "prefill_step": measure.PREFILL_STEP},
+                     "prefill_step": measure.PREFILL_STEP, "kv_bits": opts.kv_bits, "max_kv_size": opts.max_kv_size},
         "results": results,
     }

@@ -46,6 +46,8 @@ def bench_cmd(
         "--bandwidth", help="Peak memory bandwidth in GB/s (default: Apple's table, or a cached copy probe)."
     )] = None,
     kernels: o.Kernels = "auto",
+    kv_bits: o.KvBits = None,
+    max_kv_size: o.MaxKvSize = None,
     threads: Annotated[Optional[str], typer.Option(
         "--threads", "-t", help="Native CPU kernel worker threads to sweep, e.g. 1,2,4 (a threads column; "
         "default: MLXINFER_THREADS or all cores). Set in this process between runs; MLX's built-in ops and the "
@@ -80,7 +82,8 @@ def bench_cmd(
     if microbench:
         return _microbench(models or [], n_depth, batch, repetitions, output, bandwidth,
                            unused={"--peer": peer, "--prefix-cache": prefix_cache, "--compare": compare,
-                                   "--prompt-file": prompt_file, "-t": threads})
+                                   "--prompt-file": prompt_file, "-t": threads, "--kv-bits": kv_bits,
+                                   "--max-kv-size": max_kv_size})
     # Everything the user typed is checked here, before any model is loaded or any run starts.
     low = 0 if llama_bench else 1  # llama-bench: -p 0 / -n 0 skip the pp / tg tests
     opts = BenchOptions(
@@ -90,7 +93,7 @@ def bench_cmd(
         batches=parse_int_list(batch, "batch size") if batch is not None else None,
         prefixes=parse_int_list(prefix_cache, "prefix length") if prefix_cache is not None else [],
         repetitions=repetitions, warmup=warmup, seed=seed, prompt_file=prompt_file, peer=peer, kernels=kernels,
-        bandwidth_gbps=bandwidth, llama=llama_bench,
+        bandwidth_gbps=bandwidth, llama=llama_bench, kv_bits=kv_bits, max_kv_size=max_kv_size,
         threads=parse_int_list(threads, "thread count") if threads is not None else None,
     ).validate()
     from ..bench.runner import check_threads

@@ -42,6 +42,9 @@ def no_loading(monkeypatch):
     (["-t", "1,2", "--kernels", "builtin"], "-t sets the worker threads of the native CPU kernels, which do not run"),
     (["--llama-bench", "-b", "2"], "--llama-bench runs ppP and tgN tests only"),
     (["--llama-bench", "-p", "0", "-n", "0"], "nothing to run"),
+    (["--kv-bits", "3"], "invalid --kv-bits 3: use 4 or 8"),
+    (["--max-kv-size", "9000"], "invalid --max-kv-size 9000: must be between 32 and 8192"),
+    (["--kv-bits", "8", "-b", "2"], "--kv-bits / --max-kv-size apply to single-stream tests"),
 ])
 def test_bad_input_is_one_clear_error_before_any_run(args, needle, capsys, no_loading, smollm2_dir):
     assert main(["bench", *args]) == 2

@@ -101,3 +101,19 @@ def test_microbench_thread_sweep(monkeypatch, capsys):
     md = capsys.readouterr().out
     assert "native kernels on 1 threads" in md and "native kernels on 2 threads" in md
     assert md.count("| qmv |") == 8 and md.count("| sdpa |") == 2
+
+
+@pytest.mark.slow
+def test_kv_bits_run_both_engines_on_a_quantized_cache(tmp_path, smollm2_dir):
+    out = tmp_path / "kv.json"
+    assert main(["bench", "smollm2", "-p", "8", "-n", "3", "-r", "1", "--warmup", "0", "--kv-bits", "8",
+                 "--bandwidth", "50", "-o", str(out)]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["workload"]["kv_bits"] == 8 and r["workload"]["max_kv_size"] is None
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    float_kv = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4 * (8 + 3)
+    # 8-bit values plus a float32 scale and bias per group of 64: about 0.28 of the float32 cache
+    assert 0.2 * float_kv < r["results"]["kv_cache_bytes"] < 0.35 * float_kv
+    if r["engine"]["kernels"] != "builtin":
+        assert "KV cache 8-bit (group 64)" in r["engine"]["kernels_detail"]
