@@ -115,7 +115,7 @@ def _llama_cpp() -> bool:
 def test_llama_cpp_reads_the_same_model(tmp_path, key):
     """The file is the ground truth for both engines: llama.cpp's logits agree with mlxinfer's (llama.cpp
     quantizes activations to 8 bits for its 4-bit dot products: a few % of the logit spread)."""
-    arch = bench_arch.with_shape(bench_arch.tiny(bench_arch.ARCHS[key]), "hidden=128,ffn=256,vocab=1024")
+    arch = bench_arch.with_shape(bench_arch.tiny(bench_arch.ARCHS[key]), "hidden=128,head_dim=32,ffn=256,vocab=1024")
     path = bench_arch.write_gguf(tmp_path / f"{key}.gguf", arch, "Q4_0")
     out = bench_arch.check_logits(path, arch, llama_python=LLAMA_PYTHON, threads=2, n_prompt=12, n_follow=4)
     assert out["reference"] == "llama.cpp"
@@ -141,3 +141,19 @@ def test_cpu_bench_arch_runs_end_to_end(tmp_path):
     assert set(record) == {"qwen3-0.6b", "phi4-mini"}
     assert record["phi4-mini"]["builtin"]["decode_tok_s"] > 0 and record["phi4-mini"]["shapes"]["layers"] == 2
     assert len(list(tmp_path.glob("random-*.gguf"))) == 2
+
+
+def test_cpu_bench_check_without_llama_cpp(tmp_path):
+    """--check without llama.cpp: native kernels against built-in ones on the same file, one table per arch."""
+    out = tmp_path / "c.json"
+    env = {**os.environ, "MLXINFER_CACHE": str(tmp_path / "cache")}
+    shape = "hidden=64,layers=6,heads=4,kv_heads=1,head_dim=16,ffn=128,vocab=512,sliding_window=4"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "cpu_bench.py"), "--arch", "gemma3-1b", "--check",
+                           "--shape", shape, "--prompt-tokens", "12", "--threads", "2", "--gguf-dir", str(tmp_path),
+                           "--llama-python", str(tmp_path / "none"), "-o", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "llama.cpp skipped" in proc.stdout and "| native |" in proc.stdout
+    row = json.loads(out.read_text())["gemma3-1b"]
+    assert row["reference"] == "mlxinfer builtin (no llama.cpp)" and row["prompt_tokens"] == 12
+    assert row["native"]["prefill_top1_agree"] >= 0.9 and row["native"]["decode_max_abs_diff"] < 0.05
