@@ -141,6 +141,7 @@ class Watchdog:
     def __init__(self, world: World):
         self.world = world
         self._since: Optional[float] = None
+        self.on_signals = True  # False when the command drains on SIGTERM itself (serve's rank 0)
         self._lock = threading.Lock()
         self._signals = _signal_pipe()
         self._thread = threading.Thread(target=self._watch, name="mlxinfer-watchdog", daemon=True)
@@ -163,7 +164,7 @@ class Watchdog:
             if self._signals is not None and select.select([self._signals], [], [], wait)[0]:
                 got = os.read(self._signals, 64)
                 term = [b for b in got if b in _STOP_SIGNALS]
-                if term and stopped_at is None:
+                if term and stopped_at is None and self.on_signals:
                     stopped_at, signum = time.monotonic(), term[0]
             elif self._signals is None:
                 time.sleep(wait)

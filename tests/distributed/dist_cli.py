@@ -93,3 +93,30 @@ def tiny_llama(d: Path, layers: int = 4, heads: int = 4, kv_heads: int = 2, bits
     (d / "config.json").write_text(json.dumps(config))
     _write_byte_tokenizer(d)
     return str(d)
+
+
+def rank_pids(launcher: int, rank: int) -> list[int]:
+    """Our launcher's rank processes (found by their MLX_RANK; other test runs may have their own)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if b"mlxinfer" in cmd and f"MLX_RANK={rank}".encode() in env and descends(parent, launcher):
+            found.append(int(pid))
+    return found
+
+
+def descends(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
