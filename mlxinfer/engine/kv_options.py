@@ -123,10 +123,25 @@ def make_cache(model: Any, opts: KVOptions | None = None) -> list:
         flag = "--kv-bits" if opts.bits is not None else "--max-kv-size"
         raise InvalidParameter(f"{flag} does not apply to this model: its KV cache is {kinds}, not mlx-lm's "
                                "plain KVCache", hint=f"run it without {flag}")
+    head_dim = _head_dim(model)
+    if opts.bits is not None and head_dim and head_dim % opts.group_size:
+        raise InvalidParameter(f"--kv-bits does not apply to this model: its attention heads have {head_dim} "
+                               f"dimensions, not a multiple of the quantization group ({opts.group_size})",
+                               hint="run it without --kv-bits")
     if swap is not None:
         for i in plain:
             cache[i] = swap()
     return cache
+
+
+def _head_dim(model: Any) -> int | None:
+    """The keys' last dimension as mlx-lm's model args say it (None when they do not)."""
+    args = getattr(model, "args", None)
+    hd = getattr(args, "head_dim", None)
+    if _is_int(hd) and hd > 0:
+        return hd
+    hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
+    return hidden // heads if _is_int(hidden) and _is_int(heads) and heads > 0 else None
 
 
 def maybe_quantize(cache: list, opts: KVOptions | None) -> None:

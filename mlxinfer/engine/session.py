@@ -65,6 +65,7 @@ class Session:
         self.set_think(think)
         self.messages: list[dict] = [dict(m) for m in (messages or [])]
         self.kv = (kv or KVOptions()).validate(loaded.context_length)  # quantized / capped cache (kv_options)
+        make_cache(loaded.model, self.kv)  # refused now, not at the first message, when the model cannot take it
         self._cache: list | None = None
         self._cache_tokens: list[int] = []
 
@@ -129,6 +130,7 @@ class Session:
                 raise InvalidParameter(f"invalid {key} {value!r}: expected a whole number or 'off'") from None
         field = next(iter(pick({key: 0})))
         opts = replace(self.kv, **{field: value}).validate(self.loaded.context_length)
+        make_cache(self.loaded.model, opts)
         if opts != self.kv:
             self.kv = opts
             self.reset_cache()  # another kind of cache: the history is prefilled into a new one next turn
@@ -321,7 +323,7 @@ class Session:
         """Carry the conversation over to another model (its cache starts empty). Refuses, changing nothing, when
         a setting does not suit the new model (e.g. top_k above its vocabulary)."""
         _settings.check_for_model(self.params, loaded)
-        self.kv.validate(loaded.context_length)
+        make_cache(loaded.model, self.kv.validate(loaded.context_length))
         self.loaded = loaded
         if self._context and self._context > loaded.context_length:
             self._context = None
