@@ -68,11 +68,7 @@ def bench_cmd(
     pipeline: Annotated[bool, typer.Option("--pipeline", help="Under mlx.launch: split the layers into stages "
                                            "(pipeline parallel) instead of tensor parallel.")] = False,
 ):
-    """Benchmark local inference: prefill and decode separately, TTFT, per-token latency, memory, bandwidth.
-
-    Examples: `mlxinfer bench smollm2 -p 512 -n 128 -t 1,2,4 --llama-bench`; `mlxinfer bench -o run.json`
-    then `mlxinfer bench --compare run.json`.
-    """
+    """Benchmark local inference: prefill and decode separately, TTFT, per-token latency, memory, bandwidth."""
     from ..bench import report
     from ..bench.runner import BenchOptions, run_bench
     from ..bench.workload import parse_int_list
@@ -167,7 +163,10 @@ def _microbench(names, n_depth, batch, repetitions, output, bandwidth, unused: d
                    threads=None, output=output, bandwidth=bandwidth, before_run=notice, alias=True)
 
 
+_EPILOG = ("Examples: mlxinfer bench smollm2 -p 512 -n 128 -t 1,2,4 --llama-bench · mlxinfer bench -p 512 -n 128 "
+           "-d 0,4096 --peer mlx-lm -o run.json · mlxinfer bench --compare run.json · mlxinfer bench -o csv.")
+
+
 def register(app: typer.Typer) -> None:
-    app.command("bench", help="Benchmark models: prefill/decode tok/s, TTFT, latency percentiles, memory, bandwidth.")(
-        bench_cmd
-    )
+    app.command("bench", help="Benchmark models: prefill/decode tok/s, TTFT, latency percentiles, memory, bandwidth.",
+                epilog=_EPILOG)(bench_cmd)

@@ -25,10 +25,7 @@ def microbench_cmd(
         "--output", "-o", help="md | csv | json | jsonl to stdout, or a file path ending in one of those."
     )] = None,
 ):
-    """Kernel micro-benchmark: custom kernels vs MLX built-ins, microseconds per call, speedup, max abs error.
-
-    Example: `mlxinfer microbench llama-3.2-1b -m 1 -c 4096 -t 1,2 -o json`
-    """
+    """Kernel micro-benchmark: custom kernels vs MLX built-ins, microseconds per call, speedup, max abs error."""
     run_microbench(shape_sets or [], rows=rows, contexts=context, repetitions=repetitions, threads=threads,
                    output=output)
 
@@ -76,6 +73,8 @@ def run_microbench(names: list[str], *, rows: str, contexts: str, repetitions: i
 
 
 def register(app: typer.Typer) -> None:
-    app.command("microbench", help="Time the custom kernels against MLX's built-ins at 1B-8B decode shapes.")(
+    app.command("microbench", help="Time the custom kernels against MLX's built-ins at 1B-8B decode shapes.",
+                epilog="Examples: mlxinfer microbench · "
+                "mlxinfer microbench llama-3.2-1b -m 1 -c 4096 -t 1,2 -o json.")(
         microbench_cmd
     )
