@@ -265,20 +265,23 @@ def peer_rows(records: list[dict]) -> list[list[str]]:
 
 
 def compare_pairs(records: list[dict], baseline: list[dict]) -> list[tuple[dict, dict]]:
-    """(record, baseline record) matched on model, test and engine; when the models differ (comparing two models
-    on purpose) a unique match on test and engine is used instead."""
-    exact = {_key(r): r for r in baseline}
-    loose: dict[tuple, list[dict]] = {}
-    for r in baseline:
-        loose.setdefault((r["test"], r["engine"]["name"]), []).append(r)
+    """(record, baseline record) matched on model, test, engine and threads; failing that on model, test and engine
+    (a baseline from another thread count, or from before records had threads); when the models differ (comparing
+    two models on purpose) on test and engine. A looser key is used only when exactly one baseline record fits."""
+    keys = (_key, lambda r: _key(r)[:3], lambda r: (r["test"], r["engine"]["name"]))
+    index: list[dict[tuple, list[dict]]] = []
+    for key in keys:
+        found: dict[tuple, list[dict]] = {}
+        for r in baseline:
+            found.setdefault(key(r), []).append(r)
+        index.append(found)
     pairs = []
     for r in records:
-        match = exact.get(_key(r))
-        if match is None:
-            options = loose.get((r["test"], r["engine"]["name"]), [])
-            match = options[0] if len(options) == 1 else None
-        if match is not None:
-            pairs.append((r, match))
+        for i, (key, found) in enumerate(zip(keys, index)):
+            options = found.get(key(r), [])
+            if options and (i == 0 or len(options) == 1):
+                pairs.append((r, options[0]))
+                break
     return pairs
 
 

@@ -301,7 +301,8 @@ def _run_engine(cases, *, model, config, timed, engine, model_info, hardware, sy
     weights = measure.weights_read_per_token(model, config)
     kv = opts.kv()
     for case in cases:
-        what = f"{engine['name']} {model_info['name']} {case.label}"
+        what = f"{engine['name']} {model_info['name']} {case.label}" + (
+            f" t{engine['threads']}" if opts.threads and engine.get("threads") is not None else "")
         ticker(what, 0)
         shared: dict = {}  # the prefix cache of a prefix test, filled once and reused by its repetitions
         for _ in range(opts.warmup):

@@ -208,6 +208,15 @@ def test_compare_keeps_thread_counts_apart():
     assert [(a["engine"]["threads"], b["engine"]["threads"]) for a, b in pairs] == [(1, 1), (1, 1), (2, 2), (2, 2)]
     rows = report.compare_rows(recs, copy.deepcopy(recs))
     assert rows[0][1] == "pp16 t1"
+    # A baseline from before records had threads (or of one thread count) still matches on model, test, engine,
+    # also when it holds several models with the same tests.
+    old = copy.deepcopy(recs[:2]) + [copy.deepcopy(r) for r in recs[:2]]
+    for r in old[:2]:
+        del r["engine"]["threads"]
+    for r in old[2:]:
+        r["model"]["name"] = "other"
+    assert [b["test"] for _, b in report.compare_pairs(recs, old)] == ["pp16", "tg5", "pp16", "tg5"]
+    assert all(b["model"]["name"] == "tiny" for _, b in report.compare_pairs(recs, old))
 
 
 def test_bandwidth_over_the_peak_is_flagged_not_printed_as_a_share():
