@@ -186,7 +186,7 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
         if opts.peer == "mlx-lm":
             # Kernel swaps are per model instance (kernels.patch): the peer's fresh model is pure mlx-lm.
             spec_, path, backend, context = loaded.spec, loaded.path, loaded.backend, loaded.context_length
-            del loaded
+            del loaded, timed  # the closure holds the model too: free it before the peer's copy loads
             _free()
             model, tokenizer, config, info = _load_peer(spec_, path, context)
             _run_engine(cases, model=model, config=config, timed=measure.mlx_lm_timed(model, tokenizer),
@@ -194,7 +194,7 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
                         model_info=info, **common)
             del model, tokenizer
         else:
-            del loaded
+            del loaded, timed
         _free()
     return records
 
