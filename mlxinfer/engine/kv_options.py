@@ -91,8 +91,15 @@ def pick(values: Mapping[str, Any] | None) -> dict[str, Any]:
 def resolve(registry_defaults: Mapping[str, Any] | None = None, saved: Mapping[str, Any] | None = None,
             flags: Mapping[str, Any] | None = None, context_length: int | None = None) -> KVOptions:
     """KVOptions by the settings precedence: registry defaults < a saved session's values < flags (None = not
-    given), validated (against ``context_length`` when given)."""
-    merged = {**pick(registry_defaults), **pick(saved), **pick(flags)}
+    given), validated (against ``context_length`` when given). ``bits`` and ``max_size`` choose the kind of
+    cache: a layer that sets one of them clears the other one set below it (--kv-bits over a session saved with
+    a max_kv_size is a quantized cache, not a conflict)."""
+    merged: dict[str, Any] = {}
+    for layer in (pick(registry_defaults), pick(saved), pick(flags)):
+        for kind, other in (("bits", "max_size"), ("max_size", "bits")):
+            if kind in layer and other not in layer:
+                merged.pop(other, None)
+        merged.update(layer)
     return KVOptions(**merged).validate(context_length)
 
 

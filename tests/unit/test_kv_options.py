@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -42,6 +43,11 @@ def test_precedence_registry_session_flags():
     assert resolve({"kv_bits": 4}, {"kv_bits": 8}, {"kv_bits": None, "max_kv_size": None}) == KVOptions(bits=8)
     assert resolve(None, {"max_kv_size": 64, "temperature": 0.3}, {"max-kv-size": 96}) == KVOptions(max_size=96)
     assert KVOptions(bits=8).as_dict()["kv_bits"] == 8
+    # one kind of cache per layer: a flag for the other kind replaces what the session or registry chose
+    assert resolve({"kv_bits": 4}, {"max_kv_size": 64}, None) == KVOptions(max_size=64)
+    assert resolve(None, {"max_kv_size": 64}, {"kv_bits": 8}) == KVOptions(bits=8)
+    with pytest.raises(InvalidParameter, match="cannot be combined"):
+        resolve(None, None, {"kv_bits": 8, "max_kv_size": 64})
 
 
 def _tiny(quantized: bool):
@@ -206,3 +212,28 @@ def test_cli_generate_with_kv_bits_json_and_refusals():
         p = run("generate", "smollm2", "-p", "hi", *args)
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
+
+
+@pytest.mark.slow
+def test_cli_chat_session_past_the_cap_then_resumed_with_another_cache(tmp_path):
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_STATE_HOME": str(tmp_path / "state")}
+
+    def chat(stdin: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*MLXINFER, "chat", "smollm2", "--plain", "--session", "kvs", "--temp", "0", "-n",
+                               "16", *flags], input=stdin, capture_output=True, text=True, timeout=300, env=env)
+
+    p = chat("Hello, who are you?\nTell me more about that.\n/show\n", "--max-kv-size", "32")
+    assert p.returncode == 0 and "error" not in p.stderr.lower(), p.stderr
+    shown = p.stdout + p.stderr  # plain mode: replies on stdout, tables and notices on stderr
+    used = int(re.search(r"context used\s+(\d+)/", shown)[1])
+    assert used > 32 and re.search(r"KV cache\s+at most 32 tokens \(rotating\)", shown)
+    saved = json.loads((tmp_path / "data" / "mlxinfer" / "sessions" / "kvs.json").read_text())
+    assert saved["settings"]["max_kv_size"] == 32 and len(saved["messages"]) == 4
+
+    p = chat("And then?\n/show\n", "--kv-bits", "8")  # a flag for the other kind of cache replaces the saved one
+    assert p.returncode == 0 and "error" not in p.stderr.lower(), p.stderr
+    shown = p.stdout + p.stderr
+    assert re.search(r"kv_bits\s+8", shown) and re.search(r"max_kv_size\s+off", shown)
+    saved = json.loads((tmp_path / "data" / "mlxinfer" / "sessions" / "kvs.json").read_text())
+    assert saved["settings"]["kv_bits"] == 8 and saved["settings"]["max_kv_size"] is None
+    assert len(saved["messages"]) == 6
