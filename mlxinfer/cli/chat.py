@@ -164,6 +164,7 @@ def chat(
             from ..distributed import describe, follow
 
             app.world = world
+            follow.coordinate_ctrl_c()  # Ctrl-C on rank 0 stops the reply on every rank at the same token
             app.reader = follow.LeaderReader(app.reader) if world.leader else follow.FollowerReader()
             app.view.notice(describe(world))
         if fork is not None:

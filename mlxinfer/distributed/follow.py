@@ -79,3 +79,43 @@ class FollowerReader:
 
     def close(self) -> None:
         pass
+
+
+# ---- Ctrl-C during a chat reply -------------------------------------------------------------------------------
+# Rank 0 decides for all: at every token and prefill-chunk boundary each rank sends its flags in one small
+# all-reduce (rank 0: "the user pressed Ctrl-C"; followers: "a Ctrl-C reached me too", which happens only when it
+# went to mlx.launch's whole process group) and every rank stops where the sum says so, at the same boundary.
+_SIGINT = {"turn": None, "seen": False}
+
+
+def _on_sigint(_signum, _frame) -> None:
+    _SIGINT["seen"] = True
+    turn = _SIGINT["turn"]
+    if turn is not None:
+        turn.cancel()
+
+
+def agree_cancel(turn, cancel: bool) -> bool:
+    """``engine.turn.AGREE`` under mlx.launch: rank 0's Ctrl-C stops the reply on every rank at this boundary."""
+    import mlx.core as mx
+    import signal
+
+    world = current()
+    if _SIGINT["turn"] is not turn:  # the turn's first boundary: a repeated Ctrl-C only cancels, never raises
+        _SIGINT["turn"], _SIGINT["seen"] = turn, False
+        try:
+            signal.signal(signal.SIGINT, _on_sigint)  # the chat loop puts its own handler back after the turn
+        except ValueError:  # not the main thread
+            pass
+    mine = [1 if cancel and world.leader else 0, 1 if _SIGINT["seen"] and not world.leader else 0]
+    stop = any(_sum(mine, mx.int32).tolist())
+    if stop:
+        turn.cancel()
+    return stop
+
+
+def coordinate_ctrl_c() -> None:
+    """Called once by chat under mlx.launch: turns agree on Ctrl-C at every token (``agree_cancel``)."""
+    from ..engine import turn
+
+    turn.AGREE = agree_cancel

@@ -107,6 +107,8 @@ def setup(pipeline: bool = False) -> Optional[World]:
                   timeout=timeout)
     if not world.leader:
         silence()
+        # Ctrl-C in mlx.launch's terminal reaches every rank (they share its process group): rank 0 acts for all.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     world.watchdog = Watchdog(world)
     _stop_on_signals(world)
     _WORLD = world
@@ -180,7 +182,7 @@ class Watchdog:
                      f"(raise {TIMEOUT_VAR} for slow links)")
 
 
-_STOP_SIGNALS = {int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, n)}
+_STOP_SIGNALS = {int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)}  # not Ctrl-C: rank 0's
 _SIGNAL_GRACE = 3.0  # seconds the main thread has to handle a signal itself before the watchdog steps in
 
 

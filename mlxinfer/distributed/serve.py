@@ -23,7 +23,6 @@ sends and all-gathers differently on different ranks.
 from __future__ import annotations
 
 import json
-import signal
 import time
 from dataclasses import asdict
 
@@ -45,6 +44,11 @@ def _job(d: dict) -> Job:
     from ..engine.sampling import SamplingParams
 
     return Job(d["kind"], d["prompt"], SamplingParams(**d["params"]), d["max_tokens"], d["stop"], d["logprobs"])
+
+
+def _gone(s, now: float) -> bool:
+    """Rank 0's call: the client went away or the deadline passed (the scheduler's own reaping rule)."""
+    return s.ticket.cancelled or (s.ticket.deadline is not None and now > s.ticket.deadline)
 
 
 class _Nowhere(Ticket):
@@ -116,9 +120,8 @@ class LeaderEngine(_Shared):
             for t in expired:
                 t.push(("error", ApiError(503, "the request timed out in the queue", code="timeout")))
             now = time.perf_counter()
-            gone = lambda s: s.ticket.cancelled or (s.ticket.deadline is not None and now > s.ticket.deadline)  # noqa: E731
-            drop = ([i for i, s in enumerate(self._prefilling) if gone(s)],
-                    [i for i, s in enumerate(self._batch) if gone(s)])
+            drop = ([i for i, s in enumerate(self._prefilling) if _gone(s, now)],
+                    [i for i, s in enumerate(self._batch) if _gone(s, now)])
             self._drop(*drop)
             joined = []
             for t in new:
@@ -154,8 +157,6 @@ class FollowerEngine(_Shared):
 
     def follow(self) -> None:
         """Run in the main thread until rank 0 stops (its SIGTERM/Ctrl-C drain): then return (exit 0)."""
-        if hasattr(signal, "SIGINT"):
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 decides for all
         watchdog = self.world.watchdog
         while True:
             if not (self._prefilling or self._batch):

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 # Prefill in small chunks in chat so a cancel lands within a few seconds even on a slow CPU prefill.
 CHAT_PREFILL_STEP = 128
 
+# Under mlx.launch (set by mlxinfer.distributed.follow): (turn, this rank's cancel flag) -> rank 0's decision, so
+# every rank stops at the same token or prefill chunk. Called at each of those boundaries on every rank.
+AGREE = None
+
 
 class Cancelled(Exception):
     """Raised inside the prefill progress callback to stop a cancelled turn at a chunk boundary."""
@@ -51,8 +55,11 @@ class Turn:
     def _progress(self, done: int, total: int) -> None:
         if self.on_prefill is not None:
             self.on_prefill(done, total)  # may cancel (the UI polls for Ctrl-C here)
-        if self._cancel and done < total:
+        if self._stopping() and done < total:
             raise Cancelled  # the chunks done so far are complete in the cache and stay usable
+
+    def _stopping(self) -> bool:
+        return self._cancel if AGREE is None else AGREE(self, self._cancel)
 
     def __iter__(self) -> Iterator[Response]:
         if self._started:
@@ -66,7 +73,7 @@ class Turn:
         )
         broken = False
         try:
-            while not self._cancel:
+            while not self._stopping():
                 try:
                     r = next(stream)
                 except StopIteration:
