@@ -12,7 +12,7 @@ caches they step aside per call and :func:`kernel_note` says so, for the kernel 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from ..errors import InvalidParameter
@@ -184,8 +184,3 @@ def kernel_note(model: Any, opts: KVOptions | None) -> str | None:
     else:
         parts.append("attention native while no mask is needed, else MLX's built-in")
     return f"KV cache {opts.describe()}: " + ", ".join(parts)
-
-
-def with_values(opts: KVOptions, **values: Any) -> KVOptions:
-    """A copy with ``values`` (user-facing or field names) changed, unvalidated."""
-    return replace(opts, **pick(values))
