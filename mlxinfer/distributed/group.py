@@ -37,6 +37,7 @@ class World:
     strategy: str            # tensor | pipeline (what was asked; the plan may fall back to pipeline)
     timeout: float
     plan: dict = field(default_factory=dict)   # what the loader did: strategy, stage layers, fallbacks
+    interrupted: bool = False  # a follower got SIGINT: Ctrl-C went to mlx.launch's whole group (see follow.py)
     watchdog: Optional["Watchdog"] = None
 
     @property
@@ -107,8 +108,9 @@ def setup(pipeline: bool = False) -> Optional[World]:
                   timeout=timeout)
     if not world.leader:
         silence()
-        # Ctrl-C in mlx.launch's terminal reaches every rank (they share its process group): rank 0 acts for all.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Ctrl-C in mlx.launch's terminal reaches every rank (they share its process group): rank 0 acts for all;
+        # a follower only notes it (it tells rank 0 that the launcher got it too).
+        signal.signal(signal.SIGINT, lambda _s, _f: setattr(world, "interrupted", True))
     world.watchdog = Watchdog(world)
     _stop_on_signals(world)
     _WORLD = world

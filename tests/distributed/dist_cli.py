@@ -120,3 +120,53 @@ def descends(pid: int, ancestor: int) -> bool:
         except OSError:
             return False
     return False
+
+
+class Terminal:
+    """A command with a pseudo-terminal of its own (its Ctrl-C goes to its process group only)."""
+
+    def __init__(self, argv: list[str], env: dict):
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:
+            os.execve(argv[0], argv, env)
+        self.out = bytearray()
+
+    def until(self, pred, timeout: float) -> bool:
+        import select
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if pred(bytes(self.out)):
+                return True
+            if select.select([self.fd], [], [], 0.1)[0]:
+                try:
+                    self.out.extend(os.read(self.fd, 65536))
+                except OSError:
+                    break
+        return pred(bytes(self.out))
+
+    def write(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit status (os.waitstatus_to_exitcode), or None if still running after ``timeout`` seconds."""
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.until(lambda _out: False, 0.2)  # keep reading so the child never blocks on a full terminal
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+        return None
+
+    def close(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(self.fd)

@@ -4,8 +4,14 @@ stopped, and the two would fall out of step); the followers print nothing; the r
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+
 import pytest
-from dist_cli import distributed_line, launch, needs_launch, single, tiny_llama
+from dist_cli import (MLXINFER, Terminal, distributed_line, free_port_pair, launch, launch_cmd, needs_launch,
+                      single, tiny_llama)
 
 pytestmark = needs_launch
 
@@ -42,20 +48,10 @@ def test_session_flag_is_refused_under_launch(tiny):
 
 
 def test_ctrl_c_on_rank_0_stops_the_reply_on_every_rank_and_the_chat_goes_on(tiny, tmp_path):
-    """Ranks started by hand, rank 0 in a terminal of its own (a pty), so Ctrl-C reaches rank 0 only (under
-    mlx.launch it reaches the launcher too, which stops relaying: docs/distributed.md). Rank 0's SIGINT stops the
-    reply at a token boundary that every rank agrees on; the next turn then runs on both ranks (with rank 1 a
-    token ahead or behind, its prompt would differ and the collectives would not line up) and /exit ends both."""
-    import json
-    import os
-    import pty
-    import re
-    import select
-    import subprocess
-    import time
-
-    from dist_cli import MLXINFER, free_port_pair
-
+    """Ranks started by hand, rank 0 in a terminal of its own (a pty), so Ctrl-C reaches rank 0 only. Its SIGINT
+    stops the reply at a token boundary that every rank agrees on; the next turn then runs on both ranks (with
+    rank 1 a token ahead or behind, its prompt would differ and the collectives would not line up) and /exit
+    ends both."""
     port = free_port_pair()
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
@@ -63,47 +59,44 @@ def test_ctrl_c_on_rank_0_stops_the_reply_on_every_rank_and_the_chat_goes_on(tin
     env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLXINFER_DIST_TIMEOUT": "20"}
     follower = subprocess.Popen(args, env={**env, "MLX_RANK": "1"}, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: rank 0 with the pty as its terminal
-        os.execve(args[0], args, {**env, "MLX_RANK": "0"})
-    out = bytearray()
-
-    def until(pred, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if pred():
-                return True
-            if select.select([fd], [], [], 0.1)[0]:
-                try:
-                    out.extend(os.read(fd, 65536))
-                except OSError:
-                    return pred()
-        return pred()
-
+    term = Terminal(args, {**env, "MLX_RANK": "0"})
     try:
-        assert until(lambda: b"parallel over 2 ranks" in out, 120), bytes(out)
-        os.write(fd, b"another one\n")  # the tiny model's greedy reply: "kkkk..." (text that streams at once)
-        start = len(out)
-        assert until(lambda: out.count(b"kkkk", start) > 0, 60), bytes(out)  # the reply streams
-        os.write(fd, b"\x03")  # Ctrl-C: the tty sends SIGINT to rank 0 (its foreground process)
-        assert until(lambda: b"[interrupted]" in out, 30), bytes(out[-400:])
-        mark = len(out)
-        os.write(fd, b"/set max_tokens 6\nanother one\n")
+        assert term.until(lambda out: b"parallel over 2 ranks" in out, 120), bytes(term.out)
+        start = len(term.out)
+        term.write(b"another one\n")  # the tiny model's greedy reply: "kkkk..." (text that streams at once)
+        assert term.until(lambda out: b"kkkk" in out[start:], 60), bytes(term.out)
+        term.write(b"\x03")  # Ctrl-C: the tty sends SIGINT to rank 0 (its foreground process)
+        assert term.until(lambda out: b"[interrupted]" in out, 30), bytes(term.out[-400:])
+        mark = len(term.out)
+        term.write(b"/set max_tokens 6\nanother one\n")
         # The reply (six tokens) comes and the prompt after it: the second turn ran on both ranks.
-        assert until(lambda: re.search(rb"max_tokens = 6\r\n>>> [^\r\n]+\r\n>>> ", bytes(out[mark:])), 60), \
-            bytes(out[mark:])
-        os.write(fd, b"/exit\n")
+        reply = re.compile(rb"max_tokens = 6\r\n>>> [^\r\n]+\r\n>>> ")
+        assert term.until(lambda out: reply.search(out[mark:]), 60), bytes(term.out[mark:])
+        term.write(b"/exit\n")
         assert follower.wait(60) == 0
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, bytes(out[-400:])
+        assert term.wait(30) == 0, bytes(term.out[-400:])
     finally:
         if follower.poll() is None:
             follower.kill()
-        try:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-        os.close(fd)
-    text = bytes(out).decode("utf-8", "replace")
+        term.close()
+    text = bytes(term.out).decode("utf-8", "replace")
     assert text.count("[interrupted]") == 1 and "error:" not in text and "Traceback" not in text, text[-600:]
+
+
+def test_ctrl_c_in_the_launchers_terminal_ends_every_rank(tiny):
+    """Typed in mlx.launch's terminal, Ctrl-C reaches the launcher and every rank; the launcher stops relaying
+    (its main thread ends with KeyboardInterrupt), so the ranks stop the reply together and exit 130 instead of
+    waiting for input that cannot come."""
+    term = Terminal(launch_cmd("chat", tiny, "--plain", "--temp", "0", "--max-tokens", "400"),
+                    {**os.environ, "MLXINFER_DIST_TIMEOUT": "20"})
+    try:
+        assert term.until(lambda out: b"parallel over 2 ranks" in out, 120), bytes(term.out)
+        start = len(term.out)
+        term.write(b"another one\n")
+        assert term.until(lambda out: b"kkkk" in out[start:], 60), bytes(term.out)
+        term.write(b"\x03")
+        assert term.wait(30) is not None, "the launcher did not end: a rank still runs"
+    finally:
+        term.close()
+    out = bytes(term.out).decode("utf-8", "replace")
+    assert out.count("exited with code 130") == 2, out[-600:]  # both ranks, as the launcher's threads saw them
