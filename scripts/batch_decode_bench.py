@@ -1,6 +1,7 @@
 """Time one batched decode step (L=1, B rows, mlx-lm's left-padded BatchKVCache as `mlxinfer serve` and
-`mlxinfer bench -b` run it) at B=1,4,8 with the native kernels and the built-ins, and count which native ops
-each step calls (B>1 today: qkv_rope/sdpa are asked and decline, so RoPE/KV/attention fall back to MLX).
+`mlxinfer bench -b` run it) at B=1,4,8 with the native kernels and the built-ins, and count per step the native
+op calls taken ("sdpa"), declined ("sdpa-") and MLX's built-in RoPE / attention / BatchKVCache update calls
+("mx:rope", "mx:sdpa", "mx:kv") that run instead.
 
 Usage: python scripts/batch_decode_bench.py PATH_TO_GGUF_OR_MODEL_DIR
 """
@@ -13,23 +14,32 @@ mx.set_default_device(mx.cpu)
 path = sys.argv[1]
 loaded = mlxinfer.load(path, kernels="custom")
 model = loaded.model
-print("kernels:", loaded.kernels)  # per-step counts below are calls into the provider, accepted or not
+print("kernels:", loaded.kernels)
 calls = collections.Counter()
 prov = None
 for l in model.layers:
     prov = getattr(l, "_kernel_provider", None)
     if prov: break
 if prov is not None:
-    for name in ("decoder_block", "qkv_rope", "sdpa", "kv_append"):
+    for name in ("decoder_block", "qkv_rope", "rope", "sdpa", "kv_append"):
         f = getattr(prov, name, None)
         if f is None: continue
         def wrap(f=f, name=name):
             def g(*a, **k):
-                calls[name] += 1
-                return f(*a, **k)
+                out = f(*a, **k)
+                calls[name if out is not None else name + "-"] += 1
+                return out
             return g
         try: setattr(prov, name, wrap())
         except Exception as e: print("cannot wrap", name, e)
+for owner, name, label in ((mx.fast, "rope", "mx:rope"), (mx.fast, "scaled_dot_product_attention", "mx:sdpa"),
+                           (cache_lib.BatchKVCache, "update_and_fetch", "mx:kv")):
+    def count(f=getattr(owner, name), label=label):
+        def g(*a, **k):
+            calls[label] += 1
+            return f(*a, **k)
+        return g
+    setattr(owner, name, count())
 def step_time(B, steps=12):
     prompts = [[1 + (7 * i + j) % 400 for j in range(20 + 3 * i)] for i in range(B)]
     caches, first = [], []
