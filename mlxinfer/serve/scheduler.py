@@ -8,8 +8,10 @@ boundaries.
   ``KVCache`` (the native one-op-per-layer path; their steps are evaluated together); from ``batch_from`` on they
   share a left-padded ``BatchKVCache`` (mlx-lm's ``merge``/``extend``/``filter``/``extract``: one forward pass
   for all, the weights read once), and when the batch shrinks below it again the caches are extracted. Why the
-  threshold: the batched forward misses the one-op layers (they take one int offset and a causal mask), so it
-  only wins from about 4 sequences on (measured on SmolLM2, 2 cores: 2 seqs 46 vs 61 tok/s, 8 seqs 80 vs 62).
+  threshold: the batched forward runs per op (RoPE, KV update and attention native with per-row positions,
+  ``kernels.kv_cache.NativeBatchKVCache``), not as the one-op layers (one int offset), so it only wins from
+  about 4 sequences on (measured before the native batched path on SmolLM2, 2 cores: 2 seqs 46 vs 61 tok/s,
+  8 seqs 80 vs 62).
 * Each sequence keeps its own sampler, logits processors, random state (a ``seed`` reproduces its output whatever
   else runs), stop strings, token budget and logprobs setting.
 * A cancelled (client gone) or timed-out request leaves the batch before the next step; a finished one leaves
