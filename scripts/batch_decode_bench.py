@@ -1,7 +1,7 @@
 """Time one batched decode step (L=1, B rows, mlx-lm's left-padded BatchKVCache as `mlxinfer serve` and
 `mlxinfer bench -b` run it) at B=1,4,8 with the native kernels and the built-ins, and count per step the native
 op calls taken ("sdpa"), declined ("sdpa-") and MLX's built-in RoPE / attention / BatchKVCache update calls
-("mx:rope", "mx:sdpa", "mx:kv") that run instead.
+("mx:rope", "mx:sdpa", "mx:kv") that run instead. Wall and CPU time per step are medians over the steps.
 
 Usage: python scripts/batch_decode_bench.py PATH_TO_GGUF_OR_MODEL_DIR [custom|builtin|custom,builtin]
 """
@@ -54,14 +54,17 @@ def step_time(B, steps=12):
     for _ in range(2):
         y = mx.argmax(model(y[:, None], cache=merged)[:, -1], axis=-1); mx.eval(y)
     calls.clear()
-    times = []  # the median step: on a shared machine a mean is mostly other processes' bursts
+    times, cpu = [], []  # medians: on a shared machine a mean is mostly other processes' bursts
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         y = mx.argmax(model(y[:, None], cache=merged)[:, -1], axis=-1); mx.eval(y)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[steps // 2], {k: v / steps for k, v in calls.items()}
+        times.append(time.perf_counter() - t); cpu.append(time.process_time() - c)
+    return sorted(times)[steps // 2], sorted(cpu)[steps // 2], {k: v / steps for k, v in calls.items()}
 for mode in (sys.argv[2] if len(sys.argv) > 2 else "custom,builtin").split(","):
     apply_kernels(model, mode)
     for B in (1, 4, 8):
-        dt, c = step_time(B, 24 if mode == "custom" else 8)
-        print(f"{mode:8s} B={B}: {dt*1e3:7.1f} ms/step (median)  {B/dt:6.1f} tok/s aggregate  calls/step={c}", flush=True)
+        dt, cpu, c = step_time(B, 24 if mode == "custom" else 8)
+        # CPU time (all threads) per step: the work, less sensitive to a loaded machine than the wall time
+        # (run with MLXINFER_THREADS=1 so that no pool thread spins while it waits).
+        print(f"{mode:8s} B={B}: {dt*1e3:7.1f} ms/step {B/dt:6.1f} tok/s aggregate | cpu {cpu*1e3:6.1f} ms/step "
+              f"{B/cpu:6.1f} tok/cpu-s  calls/step={c}", flush=True)
