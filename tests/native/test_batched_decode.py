@@ -41,12 +41,12 @@ def _argmax(logits):
     return mx.argmax(logits[:, -1], axis=-1)
 
 
-def _alone(model, prompt):
+def _alone(model, prompt, steps=STEPS):
     """Greedy tokens and last-position logits of one sequence decoded on its own cache."""
     cache = cache_lib.make_prompt_cache(model)
     logits = model(mx.array([prompt]), cache=cache)
     tokens, rows = [_argmax(logits)], [logits[:, -1]]
-    for _ in range(STEPS):
+    for _ in range(steps):
         logits = model(tokens[-1][:, None], cache=cache)
         tokens.append(_argmax(logits))
         rows.append(logits[:, -1])
@@ -144,3 +144,40 @@ def test_logits_match_builtin_kernels(model, monkeypatch):
     assert tokens == want_tokens
     scale = mx.abs(want).max().item()
     assert mx.allclose(logits, want, atol=2e-3 * scale, rtol=0).item(), mx.abs(logits - want).max().item()
+
+
+def test_rows_join_and_leave_like_the_server(model):
+    """The scheduler's moves on a running batch (merge, filter, extend with a new row, extract) with one row
+    long enough that decoding grows the buffers past mlx-lm's 256-position step: every row still gets its
+    own greedy tokens."""
+    prompts = {"a": PROMPTS[0], "b": PROMPTS[1], "long": [3 + 7 * j % 389 for j in range(252)], "d": PROMPTS[2]}
+    want = {k: _alone(model, p, STEPS + 1)[0] for k, p in prompts.items()}
+    caches, got = {}, {}
+    for k in ("a", "b", "long", "d"):
+        caches[k] = cache_lib.make_prompt_cache(model)
+        got[k] = [_argmax(model(mx.array([prompts[k]]), cache=caches[k])).item()]
+    rows = ["a", "b", "long"]
+    batch = [cache_lib.BatchKVCache.merge([caches[k][i] for k in rows]) for i in range(len(model.layers))]
+
+    def step():
+        y = _argmax(model(mx.array([[got[k][-1]] for k in rows]), cache=batch)).tolist()
+        for k, t in zip(rows, y):
+            got[k].append(t)
+
+    for _ in range(3):
+        step()
+    for bc in batch:  # "b" leaves
+        bc.filter([0, 2])
+    rows = ["a", "long"]
+    step()
+    for bc, c in zip(batch, caches["d"]):  # "d" joins
+        bc.extend(cache_lib.BatchKVCache.merge([c]))
+    rows.append("d")
+    for _ in range(STEPS - 4):
+        step()
+    alone = [bc.extract(0) for bc in batch]  # "a" goes back to its own cache
+    got["a"].append(_argmax(model(mx.array([[got["a"][-1]]]), cache=alone)).item())
+    assert batch[0]._idx > 256  # the long row crossed a buffer step
+    for k in prompts:
+        assert got[k] == want[k][:len(got[k])], k
+    assert [len(got[k]) for k in ("a", "b", "long", "d")] == [STEPS + 2, 4, STEPS + 1, STEPS - 3]
