@@ -3,7 +3,7 @@
 op calls taken ("sdpa"), declined ("sdpa-") and MLX's built-in RoPE / attention / BatchKVCache update calls
 ("mx:rope", "mx:sdpa", "mx:kv") that run instead. Wall and CPU time per step are medians over the steps.
 
-Usage: python scripts/batch_decode_bench.py PATH_TO_GGUF_OR_MODEL_DIR [custom|builtin|custom,builtin]
+Usage: python scripts/batch_decode_bench.py PATH_TO_GGUF_OR_MODEL_DIR [custom|builtin|custom,builtin] [1,4,8]
 """
 import time, sys, collections
 import mlx.core as mx
@@ -62,7 +62,7 @@ def step_time(B, steps=12):
     return sorted(times)[steps // 2], sorted(cpu)[steps // 2], {k: v / steps for k, v in calls.items()}
 for mode in (sys.argv[2] if len(sys.argv) > 2 else "custom,builtin").split(","):
     apply_kernels(model, mode)
-    for B in (1, 4, 8):
+    for B in map(int, (sys.argv[3] if len(sys.argv) > 3 else "1,4,8").split(",")):
         dt, cpu, c = step_time(B, 24 if mode == "custom" else 8)
         # CPU time (all threads) per step: the work, less sensitive to a loaded machine than the wall time
         # (run with MLXINFER_THREADS=1 so that no pool thread spins while it waits).
