@@ -33,7 +33,7 @@ def serve_cmd(
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens prefilled between two "
                                                "decode steps.")] = 256,
     batch_from: Annotated[int, typer.Option("--batch-from", help="Decode as one batch from this many sequences "
-                                            "on (fewer each run the single-sequence fast path).")] = 4,
+                                            "on (fewer each run the single-sequence fast path).")] = 2,
     allow_origin: Annotated[Optional[List[str]], typer.Option(
         "--allow-origin", help="A web origin (e.g. http://localhost:3000) whose pages may call the API from a "
         "browser (CORS); repeatable, '*' for any.")] = None,

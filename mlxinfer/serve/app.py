@@ -38,7 +38,7 @@ class ServeOptions:
     timeout: float | None = 600.0
     prefix_cache_bytes: int = 512 << 20
     prefill_chunk: int = 256
-    batch_from: int = 4
+    batch_from: int = 2
     allow_origins: list[str] = field(default_factory=list)  # CORS: web pages that may call the API from a browser
     flags: dict[str, Any] = field(default_factory=dict)  # sampling values from the command line (highest rank)
     engine_class: type = Engine  # under mlx.launch: distributed.serve.LeaderEngine (broadcasts its decisions)
