@@ -3,6 +3,17 @@
 
     python scripts/cpu_bench.py                     # bundled SmolLM2 Q4_1: prefill + decode tok/s, 3 engines
     python scripts/cpu_bench.py --llama-1b          # random 4-bit model with Llama-3.2-1B shapes: % of bandwidth
+    python scripts/cpu_bench.py --arch all --threads 2 --rounds 5 -o arch.json   # issue #13's targets, per arch
+    python scripts/cpu_bench.py --arch gemma3-270m --check    # same file, llama.cpp vs mlxinfer logits first
+    python scripts/cpu_bench.py --arch phi4-mini --shape layers=8 --rounds 1  # a scaled-down Phi-4-mini
+
+--arch (names in scripts/bench_arch.py: smollm2-135m, llama-3.2-1b, qwen3-0.6b, gemma3-270m, gemma3-1b, phi4-mini,
+or "all") writes random weights at that model's real shapes once as a GGUF (--qtype, default Q4_0: llama.cpp's
+fastest 4-bit path on x86) under --gguf-dir; llama.cpp loads the file directly, mlxinfer through its GGUF import.
+phi4-mini is Phi-4-mini's shapes without LongRoPE (3.8B weights; --shape layers=8 scales it down). The table per
+arch gives native vs llama.cpp against the targets (prefill >= 1.5x, decode >= 1.3x; Llama-3.2-1B decode >= 85%
+of the read-bandwidth bound). --check prints the max |logit difference| and top-1 agreement of mlxinfer (built-in
+and native) against llama.cpp on that file for a short prompt and a few decode steps.
 
 "builtin" is mlx-lm's own loop (``generate_step``) on MLX's built-in kernels; "native" is mlxinfer as its chat
 and bench run it (its token step, its kernels). Every engine runs with the same thread count (--threads,
@@ -14,6 +25,8 @@ all of them alike; the table shows the median over rounds. llama.cpp is only a y
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -22,6 +35,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_arch
 
 LLAMA_CODE = r"""
 import json, sys, time
@@ -149,17 +164,163 @@ def llama_1b_model():
     nn.quantize(model, group_size=64, bits=4)
     model.apply(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p)
     mx.eval(model.parameters())
-    # Bytes one decode step must read: every quantized linear plus the tied embedding used as the LM head.
+    return model, decode_bytes(model)
+
+
+def decode_bytes(model) -> int:
+    """Bytes one decode step must read: every quantized linear plus the tied embedding used as the LM head
+    (an untied input embedding: one row)."""
     from mlx.utils import tree_flatten
 
-    per_token = sum(
-        v.nbytes for k, v in tree_flatten(model.parameters())
-        if k.endswith((".weight", ".scales", ".biases")) and "norm" not in k
-    )
-    return model, per_token
+    params = tree_flatten(model.parameters())
+    total = sum(v.nbytes for k, v in params if k.endswith((".weight", ".scales", ".biases")) and "norm" not in k)
+    if any(k.startswith("lm_head.") for k, _ in params):
+        total -= sum(v.nbytes for k, v in params if "embed_tokens." in k)
+    return total
+
+
+def llama_cpp_round(args, gguf: Path, prompt: list[int]) -> tuple[float, float]:
+    cfg = {"model": str(gguf), "threads": args.threads, "ctx": len(prompt) + args.gen_tokens + 16, "prompt": prompt,
+           "gen": args.gen_tokens, "rounds": 1}
+    proc = subprocess.run([args.llama_python, "-c", LLAMA_CODE, json.dumps(cfg)], capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"llama.cpp failed on {gguf}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    return res["prefill"], res["decode"]
+
+
+def run_rounds(args, model, gguf: Path, prompt: list[int], engines: list[str]) -> dict:
+    """Interleaved rounds (llama.cpp, builtin, native, llama.cpp, ...); the medians per engine."""
+    from mlxinfer.kernels.patch import apply_kernels
+
+    results = {e: [] for e in engines}
+    for r in range(args.rounds):
+        for engine in engines:
+            if engine == "llama.cpp":
+                pre, dec = llama_cpp_round(args, gguf, prompt)
+            else:
+                report = apply_kernels(model, "builtin" if engine == "builtin" else "custom")
+                if engine != "builtin" and report.name != "cpu-native":
+                    sys.exit(f"native kernels unavailable: {report.detail}")
+                pre, dec = mlx_round(model, prompt, args.gen_tokens, ours=engine != "builtin")
+            results[engine].append((pre, dec))
+            print(f"round {r + 1} {engine:10s} prefill {pre:8.1f} tok/s  decode {dec:7.1f} tok/s", flush=True)
+    return {engine: {"prefill_tok_s": statistics.median(p for p, _ in rs),
+                     "decode_tok_s": statistics.median(d for _, d in rs), "rounds": rs}
+            for engine, rs in results.items()}
+
+
+def bandwidth_line(summary: dict, per_token: int, bw: float, engine: str = "native") -> str:
+    bound = bw * 1e9 / per_token
+    dec = summary[engine]["decode_tok_s"]
+    summary["bandwidth"] = {"bytes_per_token": per_token, "read_gb_s": bw, "bound_tok_s": bound,
+                            f"{engine}_fraction": dec / bound}
+    return (f"bytes/token {per_token / 1e6:.1f} MB, read bandwidth {bw:.1f} GB/s -> bound {bound:.1f} tok/s; "
+            f"{engine} decode = {100 * dec / bound:.0f}% of the bound")
+
+
+def llama_cpp_available(args) -> bool:
+    """Whether --llama-python can import llama_cpp (asked once)."""
+    if not hasattr(args, "_llama_ok"):
+        args._llama_ok = Path(args.llama_python).exists() and subprocess.run(
+            [args.llama_python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+        if not args._llama_ok:
+            print(f"# llama.cpp skipped: {args.llama_python} cannot import llama_cpp")
+    return args._llama_ok
+
+
+def engines_for(args) -> list[str]:
+    engines = [e for e in ("llama.cpp", "builtin", "native") if e in args.engines.split(",")]
+    if "llama.cpp" in engines and not llama_cpp_available(args):
+        engines.remove("llama.cpp")
+    return engines
+
+
+def arch_file(args, key: str):
+    """(shapes, the random GGUF written once for them)."""
+    import bench_arch
+
+    from mlxinfer.sources.gguf_import import cache_root
+
+    arch = bench_arch.with_shape(bench_arch.ARCHS[key], args.shape)
+    directory = Path(args.gguf_dir) if args.gguf_dir else cache_root() / "bench-gguf"
+    path = bench_arch.gguf_path(directory, key, arch, args.qtype, args.seed)
+    if not path.exists():
+        print(f"# writing {path}", flush=True)
+    return arch, bench_arch.write_gguf(path, arch, args.qtype, args.seed)
+
+
+def run_arch(args, key: str) -> dict:
+    """One architecture: the rounds on its random GGUF, and native against the targets."""
+    import bench_arch
+
+    import mlxinfer
+
+    arch, gguf = arch_file(args, key)
+    model = mlxinfer.load(str(gguf), kernels="builtin").model
+    prompt = bench_arch.prompt_ids(arch, args.prompt_tokens)
+    engines = engines_for(args)
+    bandwidth = key == "llama-3.2-1b"  # its target is a share of the read-bandwidth bound
+    bw_before = read_bandwidth(args.threads) if bandwidth else 0.0
+    summary = run_rounds(args, model, gguf, prompt, engines)
+    changed = f", changed: {args.shape}" if args.shape else ""
+    print(f"\n## {key}: random {args.qtype} weights at {arch.source} shapes{changed} "
+          f"({gguf.stat().st_size / 1e6:.1f} MB GGUF)"
+          f"\n{len(prompt)}-token prompt, {args.gen_tokens} generated, {args.threads} threads, median of "
+          f"{args.rounds} interleaved rounds, load average now {os.getloadavg()[0]:.1f}\n")
+    print("| engine | prefill tok/s | decode tok/s |\n|---|---:|---:|")
+    base = summary.get("llama.cpp")
+    for engine in engines:
+        pre, dec = summary[engine]["prefill_tok_s"], summary[engine]["decode_tok_s"]
+        vs = (lambda v, b: f" ({v / b:.2f}x)") if base and engine != "llama.cpp" else (lambda v, b: "")
+        print(f"| {'' if engine == 'llama.cpp' else 'mlxinfer '}{engine} | {pre:.1f}{vs(pre, base and base['prefill_tok_s'])} "
+              f"| {dec:.1f}{vs(dec, base and base['decode_tok_s'])} |")
+    targets = {}
+    if base and "native" in summary:
+        for phase, goal in (("prefill", 1.5), ("decode", 1.3)):
+            ratio = summary["native"][f"{phase}_tok_s"] / base[f"{phase}_tok_s"]
+            targets[phase] = {"ratio": ratio, "target": goal, "met": ratio >= goal}
+    if bandwidth and "native" in summary:
+        bw = max(bw_before, read_bandwidth(args.threads))  # the higher of two measurements: the stricter bound
+        print(bandwidth_line(summary, decode_bytes(model), bw))
+        fraction = summary["bandwidth"]["native_fraction"]
+        targets["bandwidth"] = {"ratio": fraction, "target": 0.85, "met": fraction >= 0.85}
+        if base:
+            summary["bandwidth"]["llama.cpp_fraction"] = base["decode_tok_s"] * gguf.stat().st_size / (bw * 1e9)
+            print(f"llama.cpp decode = {100 * summary['bandwidth']['llama.cpp_fraction']:.0f}% of the bound for "
+                  f"its own bytes (the GGUF, {gguf.stat().st_size / 1e6:.1f} MB)")
+    for name, t in targets.items():
+        unit = "of the bound" if name == "bandwidth" else "x llama.cpp"
+        print(f"target {name}: native {t['ratio']:.2f} {unit}, needs >= {t['target']}: "
+              f"{'met' if t['met'] else 'NOT met'}")
+    return {"shapes": dataclasses.asdict(arch), "gguf": str(gguf), "qtype": args.qtype, "threads": args.threads,
+            "prompt_tokens": len(prompt), "gen_tokens": args.gen_tokens, "rounds": args.rounds, **summary,
+            "targets": targets}
+
+
+def check_arch(args, key: str) -> dict:
+    """--check: mlxinfer's logits (built-in and native kernels) against llama.cpp's on the same file."""
+    import bench_arch
+
+    arch, gguf = arch_file(args, key)
+    out = bench_arch.check_logits(gguf, arch, llama_python=args.llama_python if llama_cpp_available(args) else None,
+                                  threads=args.threads, n_prompt=min(args.prompt_tokens, 64),
+                                  n_follow=min(args.gen_tokens, 8))
+    print(f"\n## check {key}: {out['prompt_tokens']}-token prompt + {out['decode_steps']} decode steps, {args.qtype}, "
+          f"against {out['reference']} (logit std {out['logit_std']:.2f})\n")
+    print("| mlxinfer | prefill max abs diff | prefill top-1 agree | decode max abs diff | decode top-1 agree |\n"
+          "|---|---:|---:|---:|---:|")
+    for engine in ("builtin", "native"):
+        if engine in out:
+            row = out[engine]
+            print(f"| {engine} | {row['prefill_max_abs_diff']:.4f} | {100 * row['prefill_top1_agree']:.0f}% "
+                  f"| {row['decode_max_abs_diff']:.4f} | {100 * row['decode_top1_agree']:.0f}% |")
+    return out
 
 
 def main() -> int:
+    import bench_arch
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -169,10 +330,17 @@ def main() -> int:
                     help="a Python with llama-cpp-python installed (skipped when missing)")
     ap.add_argument("--llama-1b", action="store_true",
                     help="random Llama-3.2-1B-shaped 4-bit model instead (native only: built-ins take minutes)")
+    ap.add_argument("--arch", help=f"random GGUF at real shapes: {', '.join(bench_arch.ARCHS)}, a comma list or "
+                                   "'all' (phi4-mini: Phi-4-mini's shapes, no LongRoPE; scale it down with --shape)")
+    ap.add_argument("--shape", default="", help="--arch shapes changed, e.g. layers=8,vocab=32000")
+    ap.add_argument("--qtype", default="Q4_0", choices=bench_arch.QTYPES, help="--arch weight type (default Q4_0)")
+    ap.add_argument("--seed", type=int, default=0, help="--arch weights seed")
+    ap.add_argument("--gguf-dir", help="where --arch GGUFs are written (default: <mlxinfer cache>/bench-gguf)")
+    ap.add_argument("--check", action="store_true", help="--arch: compare logits with llama.cpp instead of timing")
     ap.add_argument("--engines", default="llama.cpp,builtin,native",
-                    help="comma-separated subset of llama.cpp,builtin,native (bundled model only)")
+                    help="comma-separated subset of llama.cpp,builtin,native (bundled model and --arch)")
     ap.add_argument("--ops", action="store_true", help="single-op table (matmul, attention) instead of models")
-    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("-o", "--json", help="also write the results here (JSON)")
     args = ap.parse_args()
 
     os.environ["MLXINFER_THREADS"] = str(args.threads)
@@ -180,13 +348,29 @@ def main() -> int:
 
     import mlxinfer
     from mlxinfer import native
-    from mlxinfer.kernels.patch import apply_kernels
 
     mx.set_default_device(mx.cpu)
     if args.ops:
         op_table(args.threads)
         return 0
     print(f"# {native.status()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if args.arch:
+        keys = list(bench_arch.ARCHS) if args.arch == "all" else args.arch.split(",")
+        unknown = [k for k in keys if k not in bench_arch.ARCHS]
+        if unknown:
+            ap.error(f"unknown --arch {unknown[0]!r} (one of {', '.join(bench_arch.ARCHS)}, or all)")
+        try:
+            bench_arch.with_shape(bench_arch.ARCHS[keys[0]], args.shape)
+        except ValueError as e:
+            ap.error(str(e))
+        summary = {}
+        for key in keys:
+            summary[key] = (check_arch if args.check else run_arch)(args, key)
+            gc.collect()
+            mx.clear_cache()
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=2))
+        return 0
     if args.llama_1b:
         model, per_token = llama_1b_model()
         prompt = list(range(1000, 1000 + args.prompt_tokens))
@@ -197,47 +381,18 @@ def main() -> int:
         text = "Once upon a time, in a kingdom by the sea, there lived a curious young inventor. " * (
             1 + args.prompt_tokens // 16)
         prompt = loaded.tokenizer.encode(text)[: args.prompt_tokens]
-        engines = [e for e in ("llama.cpp", "builtin", "native") if e in args.engines.split(",")]
-        if "llama.cpp" in engines and not Path(args.llama_python).exists():
-            engines.remove("llama.cpp")
+        engines = engines_for(args)
 
     bw_before = read_bandwidth(args.threads) if per_token else 0.0
-    results = {e: [] for e in engines}
-    for r in range(args.rounds):
-        for engine in engines:
-            if engine == "llama.cpp":
-                cfg = {"model": str(bundled_gguf()), "threads": args.threads,
-                       "ctx": len(prompt) + args.gen_tokens + 16, "prompt": prompt,
-                       "gen": args.gen_tokens, "rounds": 1}
-                out = subprocess.run([args.llama_python, "-c", LLAMA_CODE, json.dumps(cfg)], capture_output=True,
-                                     text=True, check=True).stdout.strip().splitlines()[-1]
-                res = json.loads(out)
-                pre, dec = res["prefill"], res["decode"]
-            else:
-                report = apply_kernels(model, "builtin" if engine == "builtin" else "custom")
-                if engine != "builtin" and report.name != "cpu-native":
-                    sys.exit(f"native kernels unavailable: {report.detail}")
-                pre, dec = mlx_round(model, prompt, args.gen_tokens, ours=engine != "builtin")
-            results[engine].append((pre, dec))
-            print(f"round {r + 1} {engine:10s} prefill {pre:8.1f} tok/s  decode {dec:7.1f} tok/s", flush=True)
-
+    summary = run_rounds(args, model, bundled_gguf(), prompt, engines)
     print(f"\n{len(prompt)}-token prompt, {args.gen_tokens} generated, {args.threads} threads, "
           f"median of {args.rounds} interleaved rounds, load average now {os.getloadavg()[0]:.1f}")
-    summary = {}
-    for engine, rs in results.items():
-        pre = statistics.median(p for p, _ in rs)
-        dec = statistics.median(d for _, d in rs)
-        summary[engine] = {"prefill_tok_s": pre, "decode_tok_s": dec}
-        print(f"{engine:10s} prefill {pre:8.1f} tok/s   decode {dec:7.1f} tok/s")
+    for engine in engines:
+        print(f"{engine:10s} prefill {summary[engine]['prefill_tok_s']:8.1f} tok/s   "
+              f"decode {summary[engine]['decode_tok_s']:7.1f} tok/s")
     if per_token:
         # The higher of two measurements (before and after the rounds): the stricter bound.
-        bw = max(bw_before, read_bandwidth(args.threads))
-        bound = bw * 1e9 / per_token
-        dec = summary["native"]["decode_tok_s"]
-        summary["bandwidth"] = {"bytes_per_token": per_token, "read_gb_s": bw, "bound_tok_s": bound,
-                                "native_fraction": dec / bound}
-        print(f"bytes/token {per_token / 1e6:.1f} MB, read bandwidth {bw:.1f} GB/s -> bound {bound:.1f} tok/s; "
-              f"native decode = {100 * dec / bound:.0f}% of the bound")
+        print(bandwidth_line(summary, per_token, max(bw_before, read_bandwidth(args.threads))))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0

@@ -20,8 +20,9 @@ namespace {
 
 class NativeSdpa : public mx::UnaryPrimitive {
  public:
-  NativeSdpa(mx::Stream s, float scale, bool causal, bool heads_last, int kv_len)
-      : mx::UnaryPrimitive(s), scale_(scale), causal_(causal), heads_last_(heads_last), kv_len_(kv_len) {}
+  NativeSdpa(mx::Stream s, float scale, bool causal, bool heads_last, int kv_len, bool has_start)
+      : mx::UnaryPrimitive(s), scale_(scale), causal_(causal), heads_last_(heads_last), kv_len_(kv_len),
+        has_start_(has_start) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -31,7 +32,7 @@ class NativeSdpa : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const NativeSdpa*>(&other);
     return o && o->scale_ == scale_ && o->causal_ == causal_ && o->heads_last_ == heads_last_ &&
-           o->kv_len_ == kv_len_;
+           o->kv_len_ == kv_len_ && o->has_start_ == has_start_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
@@ -42,11 +43,13 @@ class NativeSdpa : public mx::UnaryPrimitive {
   bool causal_;
   bool heads_last_;
   int kv_len_;
+  bool has_start_;  // a 4th input (B,) integer: the first key each batch row sees (a left-padded batch)
 };
 
 void run_sdpa(const mx::array& q, const mx::array& k, const mx::array& v, mx::array& out, float scale,
-              bool causal, bool heads_last, int kv_len) {
+              bool causal, bool heads_last, int kv_len, const int* start = nullptr) {
   SdpaArgs a{};
+  a.start = start;
   a.heads_last = heads_last;
   a.B = q.shape(0);
   a.Hq = q.shape(1);
@@ -129,18 +132,20 @@ void NativeSdpa::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   std::vector<mx::array> in;
   for (const auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
   enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_, causal = causal_,
-                heads_last = heads_last_, kv_len = kv_len_]() mutable {
+                heads_last = heads_last_, kv_len = kv_len_, has_start = has_start_]() mutable {
     // The kernel reads any strides (a KV-cache slice, a transposed q) as long as the last is 1.
     for (auto& a : in)
       if (a.strides().back() != 1) a = row_contiguous_copy(a);
-    run_sdpa(in[0], in[1], in[2], out, scale, causal, heads_last, kv_len);
+    std::vector<int> start;
+    if (has_start) start = row_ints(in[3]);
+    run_sdpa(in[0], in[1], in[2], out, scale, causal, heads_last, kv_len, has_start ? start.data() : nullptr);
   });
 }
 
 }  // namespace
 
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-               bool heads_last, int kv_len) {
+               bool heads_last, int kv_len, const std::optional<mx::array>& start) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.sdpa] " + msg); };
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) fail("q, k, v must be 4-D (B, heads, len, dim)");
   if (q.dtype() != mx::float32 || (k.dtype() != mx::float32 && k.dtype() != mx::float16) || v.dtype() != k.dtype())
@@ -152,11 +157,18 @@ mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float
   const int S = kv_len >= 0 ? kv_len : k.shape(2);
   if (S == 0) fail("no keys");
   if (causal && q.shape(2) > S) fail("causal needs L <= S");
+  std::vector<mx::array> inputs = {q, k, v};
+  if (start) {
+    if (start->ndim() != 1 || start->shape(0) != q.shape(0) || !mx::issubdtype(start->dtype(), mx::integer))
+      fail("start must be an integer array (B,)");
+    inputs.push_back(*start);
+  }
   // heads_last: (B, L, Hq * D), the layout o_proj takes (rows of (B, L, Hq, D) are the same memory).
   const mx::Shape shape = heads_last ? mx::Shape{q.shape(0), q.shape(2), q.shape(1) * q.shape(3)} : q.shape();
   return mx::array(shape, mx::float32,
-                   std::make_shared<NativeSdpa>(mx::to_stream({}, mx::Device::cpu), scale, causal, heads_last, kv_len),
-                   {q, k, v});
+                   std::make_shared<NativeSdpa>(mx::to_stream({}, mx::Device::cpu), scale, causal, heads_last, kv_len,
+                                                start.has_value()),
+                   std::move(inputs));
 }
 
 }  // namespace mlxinfer_cpu

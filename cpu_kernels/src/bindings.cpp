@@ -30,21 +30,24 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "silu(x @ Wg.T) * (x @ Wu.T) with both weights quantized (one pass over x); x RMS-normalised first if "
         "norm_weight is given.");
   m.def("sdpa", &mlxinfer_cpu::sdpa, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a = false,
-        "heads_last"_a = false, "kv_len"_a = -1,
+        "heads_last"_a = false, "kv_len"_a = -1, "start"_a = nb::none(),
         "float32 attention, as mx.fast.scaled_dot_product_attention with mask None or 'causal'; heads_last: "
-        "output (B, L, heads * D); kv_len >= 0: only the first kv_len keys count.");
+        "output (B, L, heads * D); kv_len >= 0: only the first kv_len keys count; start (B,) integer: batch row b "
+        "sees no key before start[b] (left padding).");
   m.def("kv_append", &mlxinfer_cpu::kv_append, "k_buf"_a, "v_buf"_a, "k"_a, "v"_a, nb::kw_only(), "offset"_a,
         "Write k/v (B, H, L, D) into the KV-cache buffers at offset; returns the updated [k_buf, v_buf].");
   m.def("rms_norm", &mlxinfer_cpu::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "float32 mx.fast.rms_norm.");
   m.def("rope", &mlxinfer_cpu::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,
-        "offset"_a, "float32 mx.fast.rope with an integer offset.");
+        "offset"_a, "offsets"_a = nb::none(),
+        "float32 mx.fast.rope with an integer offset, or per batch row offsets (B,) (an integer array).");
   m.def("quantized_embedding", &mlxinfer_cpu::quantized_embedding, "ids"_a, "w"_a, "scales"_a, "biases"_a,
         nb::kw_only(), "group_size"_a, "bits"_a, "nn.QuantizedEmbedding lookup: ids -> dequantized float32 rows.");
   m.def("qkv_rope", &mlxinfer_cpu::qkv_rope, "x"_a, "wq"_a, "wk"_a, "wv"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
-        "norm_weight"_a = nb::none(), "norm_eps"_a = 0.f, "freqs"_a = nb::none(),
-        "q, k, v projections + head split + RoPE in one op: returns [q (B, Hq, L, D), k, v (B, Hkv, L, D)].");
+        "norm_weight"_a = nb::none(), "norm_eps"_a = 0.f, "freqs"_a = nb::none(), "offsets"_a = nb::none(),
+        "q, k, v projections + head split + RoPE in one op: returns [q (B, Hq, L, D), k, v (B, Hkv, L, D)]; "
+        "offsets (B,) integer: per batch row RoPE positions (then offset is unused).");
   m.def("kv_reserve", &mlxinfer_cpu::kv_reserve, "shape"_a, "src"_a = nb::none(), nb::kw_only(), "valid"_a = 0,
         "half"_a = false,
         "A fresh KV-cache buffer (B, heads, capacity, dim), zeros, float32 or float16 (half), holding src's first "

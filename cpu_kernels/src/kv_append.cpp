@@ -42,17 +42,18 @@ class NativeKvWrite : public mx::UnaryPrimitive {
                   out = mx::array::unsafe_weak_copy(out), copy, offset = offset_]() mutable {
       if (copy) {
         if (!buf.flags().row_contiguous) buf = row_contiguous_copy(buf);
-        std::memcpy(out.data<float>(), buf.data<float>(), out.nbytes());
+        std::memcpy(out.data<char>(), buf.data<char>(), out.nbytes());
       }
       if (!upd.flags().row_contiguous) upd = row_contiguous_copy(upd);
-      // upd (B, H, L, D) -> out[b, h, offset:offset + L, :] of (B, H, capacity, D)
+      // upd (B, H, L, D) -> out[b, h, offset:offset + L, :] of (B, H, capacity, D), converted to out's dtype
       const int B = upd.shape(0), H = upd.shape(1), L = upd.shape(2), D = upd.shape(3), cap = out.shape(2);
-      const float* src = upd.data<float>();
-      float* dst = out.data<float>();
+      const size_t ui = upd.itemsize(), oi = out.itemsize();
+      const char* src = upd.data<char>();
+      char* dst = out.data<char>();
       for (int b = 0; b < B; ++b)
         for (int h = 0; h < H; ++h)
-          std::memcpy(dst + (((size_t)b * H + h) * cap + offset) * D, src + ((size_t)b * H + h) * L * D,
-                      sizeof(float) * L * D);
+          convert_floats(src + ((size_t)b * H + h) * L * D * ui, upd.dtype(),
+                         dst + (((size_t)b * H + h) * cap + offset) * D * oi, out.dtype(), (size_t)L * D);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -138,14 +139,16 @@ std::vector<mx::array> kv_append(const mx::array& k_buf, const mx::array& v_buf,
                                  const mx::array& v, int offset) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.kv_append] " + msg); };
   for (const auto* a : {&k_buf, &v_buf, &k, &v})
-    if (a->ndim() != 4 || a->dtype() != mx::float32) fail("float32 4-D (B, heads, len, dim) arrays expected");
+    if (a->ndim() != 4 || (a->dtype() != mx::float32 && a->dtype() != mx::float16))
+      fail("float32 or float16 4-D (B, heads, len, dim) arrays expected");
+  if (k_buf.dtype() != v_buf.dtype()) fail("key and value buffers differ in dtype");
   for (int d : {0, 1, 3})
     if (k.shape(d) != k_buf.shape(d) || v.shape(d) != v_buf.shape(d)) fail("new keys/values do not match the cache");
   if (k.shape(2) != v.shape(2) || k_buf.shape(2) != v_buf.shape(2)) fail("keys and values differ in length");
   if (offset < 0 || offset + k.shape(2) > k_buf.shape(2)) fail("no room in the cache buffer at this offset");
   const auto s = mx::to_stream({}, mx::Device::cpu);
-  return {mx::array(k_buf.shape(), mx::float32, std::make_shared<NativeKvWrite>(s, offset), {k_buf, k}),
-          mx::array(v_buf.shape(), mx::float32, std::make_shared<NativeKvWrite>(s, offset), {v_buf, v})};
+  return {mx::array(k_buf.shape(), k_buf.dtype(), std::make_shared<NativeKvWrite>(s, offset), {k_buf, k}),
+          mx::array(v_buf.shape(), v_buf.dtype(), std::make_shared<NativeKvWrite>(s, offset), {v_buf, v})};
 }
 
 }  // namespace mlxinfer_cpu

@@ -50,15 +50,30 @@ void rope_row(const float* x, float* y, int D, int dims, bool traditional, const
 }
 
 void scatter_heads(const float* flat, float* out, int B, int L, int H, int D, const RopeSpec& rope, int offset,
-                   const float* periods, int cap, int pos0) {
+                   const float* periods, int cap, int pos0, const int* row_offsets) {
   const int half = rope.dims / 2;
   thread_local std::vector<float> cs, sn;
-  rope_table(L, half, rope.base, rope.scale, offset, periods, cs, sn);
-  for (int b = 0; b < B; ++b)
+  if (!row_offsets) rope_table(L, half, rope.base, rope.scale, offset, periods, cs, sn);
+  for (int b = 0; b < B; ++b) {
+    // A left-padded batch: each row at its own position (padding rows go negative, as in mx.fast.rope).
+    if (row_offsets) rope_table(L, half, rope.base, rope.scale, row_offsets[b], periods, cs, sn);
     for (int l = 0; l < L; ++l)
       for (int h = 0; h < H; ++h)
         rope_row(flat + ((size_t)(b * L + l) * H + h) * D, out + (((size_t)b * H + h) * cap + pos0 + l) * D, D,
                  rope.dims, rope.traditional, cs.data() + (size_t)l * half, sn.data() + (size_t)l * half);
+  }
+}
+
+std::vector<int> row_ints(const mx::array& a) {
+  std::vector<int> out(a.size());
+  switch (a.dtype()) {
+    case mx::int32: for (size_t i = 0; i < out.size(); ++i) out[i] = a.data<int32_t>()[i]; break;
+    case mx::int64: for (size_t i = 0; i < out.size(); ++i) out[i] = (int)a.data<int64_t>()[i]; break;
+    case mx::uint32: for (size_t i = 0; i < out.size(); ++i) out[i] = (int)a.data<uint32_t>()[i]; break;
+    case mx::int16: for (size_t i = 0; i < out.size(); ++i) out[i] = a.data<int16_t>()[i]; break;
+    default: throw std::invalid_argument("[mlxinfer_cpu] positions must be int16, int32, int64 or uint32");
+  }
+  return out;
 }
 
 mx::array rms_normed(const mx::array& x, const mx::array& w, float eps) {
@@ -104,17 +119,23 @@ class NativeRope : public mx::UnaryPrimitive {
     const bool trad = traditional_;
     const float base = base_, scale = scale_;
     dispatch_contiguous(stream(), inputs, out, [=](std::vector<mx::array>& in, mx::array& o) {
-      // x (..., L, D): position of row l is offset + l.
+      // x (..., L, D): position of row l is offset + l; with a 2nd input offsets (B,), x (B, ..., L, D) and
+      // batch row b starts at offsets[b].
       const int D = in[0].shape(-1), L = in[0].shape(-2);
       const size_t mats = in[0].size() / ((size_t)L * D);
+      std::vector<int> starts;
+      if (in.size() > 1) starts = row_ints(in[1]);
+      const size_t per_row = starts.empty() ? mats : mats / starts.size();
       std::vector<float> cs, sn;
-      rope_table(L, dims / 2, base, scale, offset, nullptr, cs, sn);
       const float* x = in[0].data<float>();
       float* y = o.data<float>();
-      for (size_t m = 0; m < mats; ++m)
+      for (size_t m = 0; m < mats; ++m) {
+        if (m % per_row == 0 && (m == 0 || !starts.empty()))
+          rope_table(L, dims / 2, base, scale, starts.empty() ? offset : starts[m / per_row], nullptr, cs, sn);
         for (int l = 0; l < L; ++l)
           rope_row(x + (m * L + l) * D, y + (m * L + l) * D, D, dims, trad, cs.data() + (size_t)l * (dims / 2),
                    sn.data() + (size_t)l * (dims / 2));
+      }
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -145,13 +166,22 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
                    {x, weight});
 }
 
-mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset) {
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset,
+               const std::optional<mx::array>& offsets) {
   if (x.dtype() != mx::float32 || x.ndim() < 2 || dims <= 0 || dims % 2 || dims > x.shape(-1))
     throw std::invalid_argument("[mlxinfer_cpu.rope] float32 x (..., L, D) and an even dims <= D expected");
+  std::vector<mx::array> inputs = {x};
+  if (offsets) {
+    if (x.ndim() < 3 || offsets->ndim() != 1 || offsets->shape(0) != x.shape(0) ||
+        !mx::issubdtype(offsets->dtype(), mx::integer))
+      throw std::invalid_argument("[mlxinfer_cpu.rope] offsets must be an integer array (B,) for x (B, ..., L, D)");
+    inputs.push_back(*offsets);
+  }
+  // Same primitive with or without offsets: is_equivalent compares inputs too, and the int offset is then 0.
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<NativeRope>(mx::to_stream({}, mx::Device::cpu), dims, traditional, base, scale,
-                                                offset),
-                   {x});
+                                                offsets ? 0 : offset),
+                   std::move(inputs));
 }
 
 }  // namespace mlxinfer_cpu

@@ -30,14 +30,17 @@ mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, c
 // causal one (aligned to the end of the keys). Runs on the CPU stream. heads_last: the output is
 // (B, L, Hq * D) instead of (B, Hq, L, D) (what an o_proj takes, without a transpose copy).
 // kv_len >= 0: only the first kv_len keys/values count (k/v may be whole KV-cache buffers).
+// start (B,) integer: batch row b sees no key before start[b] (mlx-lm's left-padded BatchKVCache).
 mx::array sdpa(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-               bool heads_last = false, int kv_len = -1);
+               bool heads_last = false, int kv_len = -1, const std::optional<mx::array>& start = std::nullopt);
 
 // mx.fast.rms_norm(x, weight, eps) for float32.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 
-// mx.fast.rope(x, dims, traditional=, base=, scale=, offset=int) for float32 x (..., L, D).
-mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset);
+// mx.fast.rope(x, dims, traditional=, base=, scale=, offset=int) for float32 x (..., L, D); with offsets (B,)
+// integer, x (B, ..., L, D) and batch row b starts at position offsets[b] (mx.fast.rope's array offset).
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset,
+               const std::optional<mx::array>& offsets = std::nullopt);
 
 // nn.QuantizedEmbedding's lookup: ids (any shape, integer) -> dequantized rows (..., dim) float32 (float32
 // scales/biases). Out-of-range ids give zero rows.
@@ -45,7 +48,8 @@ mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx
                               const mx::array& biases, int group_size, int bits);
 
 // KV-cache append: writes k/v (B, H, L, D) at [offset, offset + L) of the (B, H, capacity, D) buffers and returns
-// the updated buffers (in place when the inputs are not referenced elsewhere).
+// the updated buffers (in place when the inputs are not referenced elsewhere). Buffers float32 or float16 (k/v
+// converted to the buffers' dtype).
 std::vector<mx::array> kv_append(const mx::array& k_buf, const mx::array& v_buf, const mx::array& k,
                                  const mx::array& v, int offset);
 
@@ -53,12 +57,14 @@ std::vector<mx::array> kv_append(const mx::array& k_buf, const mx::array& v_buf,
 // (w, scales, biases), float32 scales), split into heads and RoPE'd (first rope_dims of each head; 0 = none) at
 // positions offset + l. Returns q (B, n_heads, L, head_dim), k and v (B, n_kv_heads, L, head_dim). With
 // norm_weight, x is RMS-normalised first (the block's input_layernorm); with freqs (rope_dims / 2 periods, as
-// mx.fast.rope's freqs) base is ignored.
+// mx.fast.rope's freqs) base is ignored. With offsets (B,) integer, batch row b's positions are offsets[b] + l
+// (mlx-lm's BatchKVCache.offset) and `offset` is unused.
 std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>& wq, const std::vector<mx::array>& wk,
                                 const std::vector<mx::array>& wv, int group_size, int bits, int n_heads,
                                 int n_kv_heads, int head_dim, int rope_dims, bool traditional, float base, float scale,
                                 int offset, const std::optional<mx::array>& norm_weight = std::nullopt,
-                                float norm_eps = 0.f, const std::optional<mx::array>& freqs = std::nullopt);
+                                float norm_eps = 0.f, const std::optional<mx::array>& freqs = std::nullopt,
+                                const std::optional<mx::array>& offsets = std::nullopt);
 
 // A fresh (B, heads, capacity, dim) buffer (zeros), float32 or float16 (`half`), holding src's first `valid`
 // positions (converted): the KV-cache buffers decoder_block writes in place (a new allocation, never a view or a

@@ -44,9 +44,13 @@ struct RopeSpec {
 
 // flat (B*L, H*D) row-major -> out (B, H, cap, D) at positions pos0 + l (cap = L, pos0 = 0: a plain (B, H, L, D)
 // tensor; else a KV-cache buffer), rotating the first `dims` of each head at position offset + l as mx.fast.rope
-// does (base, or Llama-3 style periods). In norm_rope.cpp.
+// does (base, or Llama-3 style periods); with row_offsets (B,), batch row b at row_offsets[b] + l instead. In
+// norm_rope.cpp.
 void scatter_heads(const float* flat, float* out, int B, int L, int H, int D, const RopeSpec& rope, int offset,
-                   const float* periods, int cap, int pos0);
+                   const float* periods, int cap, int pos0, const int* row_offsets = nullptr);
+
+// An integer array (any int dtype, row-contiguous) as ints: per-row positions/offsets inputs. In norm_rope.cpp.
+std::vector<int> row_ints(const mx::array& a);
 
 // n elements float32 <-> float16 (or a plain copy for equal dtypes), in kv_append.cpp.
 void convert_floats(const void* src, mx::Dtype src_type, void* dst, mx::Dtype dst_type, size_t n);

@@ -90,6 +90,7 @@ struct SdpaArgs {
   int64_t qs[3], ks[3], vs[3];  // element strides of dims 0..2
   float* out;                    // (B, Hq, L, D) contiguous, or (B, L, Hq, D) when heads_last
   bool heads_last;               // output rows in (B, L, Hq, D) order: the o_proj input needs no transpose
+  const int* start = nullptr;    // (B,): batch row b sees no key before start[b] (left padding); null: 0
 
   // Element offset of output row (b, h, i).
   int64_t out_row(int b, int h, int i) const {

@@ -60,10 +60,12 @@ def prefill(model, cache: list, tokens: Sequence[int], step: int = PREFILL_STEP)
         mx.eval([c.state for c in cache])
 
 
-def new_cache(model, context: Sequence[int] = ()) -> list:
-    from mlx_lm.models.cache import make_prompt_cache
+def new_cache(model, context: Sequence[int] = (), kv=None) -> list:
+    """The model's prompt cache (quantized or capped per ``kv``, an ``engine.kv_options.KVOptions``), prefilled
+    with ``context``."""
+    from ..engine.kv_options import make_cache
 
-    cache = make_prompt_cache(model)
+    cache = make_cache(model, kv)
     if context:
         prefill(model, cache, context)
     return cache
@@ -119,25 +121,26 @@ def weights_read_per_token(model, config: dict) -> int:
 Timed = Callable[[Sequence[int], int, list], "tuple[list[float], int]"]  # (prompt, gen, cache) -> (times, peak)
 
 
-def run_stream(timed: Timed, model, prompt: Sequence[int], gen: int, context: Sequence[int] = ()) -> Sample:
-    """Prefill ``context`` (untimed), then ``timed(prompt, gen, cache)``: one engine's generation, returning each
-    token's arrival time from the call's start and the peak memory of the call."""
-    cache = new_cache(model, context)
+def run_stream(timed: Timed, model, prompt: Sequence[int], gen: int, context: Sequence[int] = (), kv=None) -> Sample:
+    """Prefill ``context`` (untimed) into a cache made per ``kv``, then ``timed(prompt, gen, cache)``: one
+    engine's generation, returning each token's arrival time from the call's start and the peak memory."""
+    cache = new_cache(model, context, kv)
     times, peak = timed(prompt, gen, cache)
     sample = Sample(prompt_tokens=len(prompt), token_times=list(times), peak_memory=int(peak))
     sample.kv_per_token, sample.kv_capacity = kv_layout(cache)
     return sample
 
 
-def mlxinfer_timed(loaded) -> Timed:
-    """mlxinfer's own stream (the one chat uses), greedy with EOS ignored; times come from its GenerationStats."""
+def mlxinfer_timed(loaded, kv=None) -> Timed:
+    """mlxinfer's own stream (the one chat uses), greedy with EOS ignored; times come from its GenerationStats.
+    ``kv``: the KV-cache options the given caches were made with (kept by the stream)."""
     from ..engine.generate import stream_generate
     from ..engine.sampling import SamplingParams
 
     def timed(prompt, gen, cache):
         last = None
         for last in stream_generate(loaded, list(prompt), SamplingParams(temperature=0.0, max_tokens=gen),
-                                    cache=cache, ignore_eos=True):
+                                    cache=cache, ignore_eos=True, kv=kv):
             pass
         s = last.stats
         times = [s.ttft]

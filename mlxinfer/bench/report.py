@@ -7,7 +7,6 @@ import csv
 import io
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from ..errors import InvalidParameter
@@ -16,8 +15,21 @@ from .stats import format_mean_std
 
 FORMATS = ("md", "csv", "json", "jsonl")
 SUFFIX_FORMATS = {".md": "md", ".markdown": "md", ".csv": "csv", ".json": "json", ".jsonl": "jsonl"}
-COLUMNS = ("model", "engine", "test", "prefill t/s", "decode t/s", "TTFT s", "ITL p50/p95/p99 ms", "e2e s",
+COLUMNS = ("model", "engine", "threads", "test", "prefill t/s", "decode t/s", "TTFT s", "ITL p50/p95/p99 ms", "e2e s",
            "peak mem", "KV cache", "eff. BW GB/s")
+LLAMA_COLUMNS = ("model", "size", "params", "backend", "threads", "test", "t/s")  # llama-bench's Markdown table
+# The CSV columns by default (llama-bench's CSV is a curated set too); --csv-all writes every field of the record.
+CSV_COLUMNS = (
+    "timestamp", "model.name", "model.model_type", "model.quantization", "model.params", "model.weight_bytes",
+    "model.dtype", "model.path", "engine.name", "engine.version", "engine.git_commit", "engine.backend",
+    "engine.kernels", "engine.threads", "hardware.chip", "hardware.cpu_cores", "hardware.bandwidth_gbps",
+    "hardware.bandwidth_method", "hardware.load_avg_1m", "test", "workload.kind", "workload.prompt_tokens",
+    "workload.gen_tokens", "workload.depth", "workload.batch", "workload.repetitions",
+    "results.prefill_tps.mean", "results.prefill_tps.std", "results.decode_tps.mean", "results.decode_tps.std",
+    "results.decode_tps_per_sequence.mean", "results.ttft_s.mean", "results.e2e_s.mean", "results.itl_s.p50",
+    "results.itl_s.p99", "results.ttft_cold_s.mean", "results.ttft_warm_s.mean", "results.ttft_speedup",
+    "results.peak_memory_bytes", "results.kv_cache_bytes", "results.bandwidth_gbps.mean", "results.bandwidth_share",
+)
 # Metrics compared between runs/engines: (results key, label, higher is better).
 COMPARED = (("prefill_tps", "prefill t/s", True), ("decode_tps", "decode t/s", True), ("ttft_s", "TTFT s", False),
             ("ttft_cold_s", "TTFT cold s", False), ("ttft_warm_s", "TTFT warm s", False),
@@ -38,9 +50,20 @@ def _engine_label(e: dict) -> str:
     return e["name"] if e.get("kernels") in (None, "builtin") else f"{e['name']} ({e['kernels']})"
 
 
+def _threads(r: dict) -> str:
+    t = r["engine"].get("threads")
+    return "-" if t is None else str(t)
+
+
+def over_peak(r: dict) -> bool:
+    """More than 100% of the peak bandwidth: a measurement problem (a low peak, caches), never a real share."""
+    share = r["results"].get("bandwidth_share")
+    return share is not None and share > 1
+
+
 def summary_row(r: dict) -> list[str]:
     """One table row for a record, in COLUMNS order."""
-    res, base = r["results"], [r["model"]["name"], _engine_label(r["engine"]), r["test"]]
+    res, base = r["results"], [r["model"]["name"], _engine_label(r["engine"]), _threads(r), r["test"]]
     if r["workload"]["kind"] == "prefix":
         cold, warm = res["ttft_cold_s"], res["ttft_warm_s"]
         ttft = f"{format_mean_std(cold, 3)} cold → {format_mean_std(warm, 3)} warm ({res['ttft_speedup']:.1f}x)"
@@ -49,7 +72,7 @@ def summary_row(r: dict) -> list[str]:
     itl_text = f"{itl['p50'] * 1e3:.0f}/{itl['p95'] * 1e3:.0f}/{itl['p99'] * 1e3:.0f}" if itl["n"] else "-"
     bw = format_mean_std(res["bandwidth_gbps"]) if r["workload"]["gen_tokens"] > 1 else "-"
     if res.get("bandwidth_share") is not None and bw != "-":
-        bw += f" ({res['bandwidth_share'] * 100:.0f}%)"
+        bw += " (over peak!)" if over_peak(r) else f" ({res['bandwidth_share'] * 100:.0f}%)"
     decode = format_mean_std(res["decode_tps"], 1) if r["workload"]["gen_tokens"] > 1 else "-"
     return base + [format_mean_std(res["prefill_tps"], 1), decode,
                    format_mean_std(res["ttft_s"], 3), itl_text, format_mean_std(res["e2e_s"]),
@@ -60,7 +83,7 @@ def summary_table(records: list[dict], compact: bool = False) -> tuple[list[str]
     """(columns, rows) of the main table; ``compact`` drops the model/engine columns when they never change."""
     columns, rows = list(COLUMNS), [summary_row(r) for r in records]
     if compact:
-        for name in ("engine", "model"):
+        for name in ("threads", "engine", "model"):
             i = columns.index(name)
             if len({row[i] for row in rows}) <= 1:
                 columns.pop(i)
@@ -88,10 +111,22 @@ def provenance_lines(records: list[dict]) -> list[str]:
             if item not in seen:
                 seen.add(item)
                 lines.append(item)
+    threads = sorted({r["engine"]["threads"] for r in records if r["engine"].get("threads") is not None})
+    if threads:
+        lines.append(f"threads: {', '.join(map(str, threads))} (the native CPU kernels' worker threads; "
+                     "MLX's built-in ops and the mlx-lm peer have no thread setting)")
+    over = [r for r in records if over_peak(r)]
+    if over:
+        h = over[-1]["hardware"]
+        lines.append(f"bandwidth: {len(over)} test(s) read faster than the peak {h['bandwidth_gbps']:.1f} GB/s "
+                     f"({h['bandwidth_source']}): a measurement problem (the peak is too low, or CPU caches held "
+                     "the weights), so no share is shown for them; pass --bandwidth GB/s to set the peak")
     if records:
         w = records[0]["workload"]
+        kv = (f", KV cache {w['kv_bits']}-bit" if w.get("kv_bits") else "") + (
+            f", KV cache at most {w['max_kv_size']} tokens (rotating)" if w.get("max_kv_size") else "")
         lines.append(f"workload: prompt {w['prompt_source']}, {w['warmup']} warmup + {w['repetitions']} repetitions, "
-                     f"{w['sampler']}, EOS ignored; mean ± std; {records[0]['timestamp']}, "
+                     f"{w['sampler']}, EOS ignored{kv}; mean ± std; {records[0]['timestamp']}, "
                      f"load average {records[0]['hardware'].get('load_avg_1m')}")
     return lines
 
@@ -117,18 +152,46 @@ def to_markdown(records: list[dict], baseline: list[dict] | None = None) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def llama_row(r: dict) -> list[str]:
+    """One llama-bench row: t/s is prompt processing for ppP tests, generation for the others."""
+    m, e, w, res = r["model"], r["engine"], r["workload"], r["results"]
+    backend = e["backend"] + (f" ({e['kernels']})" if e["name"] == "mlxinfer" else f" ({e['name']})")
+    params = m["params"]
+    label = f"{params / 1e9:.2f} B" if params >= 1e9 else f"{params / 1e6:.2f} M"
+    if w["kind"] == "prefix":
+        tps = "-"
+    else:
+        tps = format_mean_std(res["prefill_tps"] if w["kind"] == "pp" or w["gen_tokens"] <= 1
+                              else res["decode_tps"], 2)
+    return [m["name"], f"{m['weight_bytes'] / 2**30:.2f} GiB" if m["weight_bytes"] >= 2**30
+            else f"{m['weight_bytes'] / 2**20:.2f} MiB", label, backend, _threads(r), r["test"], tps]
+
+
+def to_llama_markdown(records: list[dict], baseline: list[dict] | None = None) -> str:
+    """llama-bench's table (model | size | params | backend | threads | test | t/s) under the provenance."""
+    parts = ["\n".join(f"- {line}" for line in provenance_lines(records)),
+             md_table(LLAMA_COLUMNS, map(llama_row, records))]
+    if baseline is not None:
+        parts.append("against the baseline (ratio = this run / baseline)\n\n"
+                     + md_table(COMPARE_COLUMNS, compare_rows(records, baseline)))
+    return "\n\n".join(parts) + "\n"
+
+
 def _csv_value(v) -> object:
     if isinstance(v, list):
         return " ".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in v)
     return "" if v is None else v
 
 
-def to_csv(records: list[dict]) -> str:
-    """One row per record, dotted column names (``results.decode_tps.mean``), the union of all records' fields."""
+def to_csv(records: list[dict], all_columns: bool = False) -> str:
+    """One row per record, dotted column names (``results.decode_tps.mean``): CSV_COLUMNS (those any record has),
+    or with ``all_columns`` the union of all records' fields, raw samples included."""
     flat = [flatten(r) for r in records]
     columns: list[str] = []
     for f in flat:
         columns += [k for k in f if k not in columns]
+    if not all_columns:
+        columns = [c for c in CSV_COLUMNS if c in columns]
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     w.writeheader()
@@ -145,19 +208,22 @@ def to_jsonl(records: list[dict]) -> str:
     return "".join(json.dumps(r) + "\n" for r in records)
 
 
-def render(records: list[dict], fmt: str, baseline: list[dict] | None = None) -> str:
+def render(records: list[dict], fmt: str, baseline: list[dict] | None = None, *, llama: bool = False,
+           csv_all: bool = False) -> str:
     if fmt == "md":
-        return to_markdown(records, baseline)
-    return {"csv": to_csv, "json": to_json, "jsonl": to_jsonl}[fmt](records)
+        return to_llama_markdown(records, baseline) if llama else to_markdown(records, baseline)
+    if fmt == "csv":
+        return to_csv(records, all_columns=csv_all)
+    return {"json": to_json, "jsonl": to_jsonl}[fmt](records)
 
 
 # ---- comparisons -------------------------------------------------------------------------------------------------
-PEER_COLUMNS = ("model", "test", "metric", "mlxinfer", "mlx-lm", "ratio")
+PEER_COLUMNS = ("model", "test", "metric", "mlxinfer", "mlx-lm", "ratio")  # test: "pp16+tg8 t2" in a -t sweep
 COMPARE_COLUMNS = ("model", "test", "engine", "metric", "this run", "baseline", "ratio")
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"]["name"], r["test"], r["engine"]["name"])
+    return (r["model"]["name"], r["test"], r["engine"]["name"], r["engine"].get("threads"))
 
 
 def pair_metrics(a: dict, b: dict) -> list[dict]:
@@ -177,10 +243,12 @@ def pair_metrics(a: dict, b: dict) -> list[dict]:
 
 def _rows(pairs: list[tuple[dict, dict]], with_engine: bool = False) -> list[list[str]]:
     rows = []
+    sweep = len({a["engine"].get("threads") for a, _ in pairs}) > 1
     for a, b in pairs:
+        test = a["test"] + (f" t{_threads(a)}" if sweep else "")
         for m in pair_metrics(a, b):
             ratio = "-" if m["ratio"] is None else f"{m['ratio']:.2f}x"
-            head = [a["model"]["name"], a["test"]] + ([_engine_label(a["engine"])] if with_engine else [])
+            head = [a["model"]["name"], test] + ([_engine_label(a["engine"])] if with_engine else [])
             rows.append(head + [m["metric"], f"{m['a']:.3f}", f"{m['b']:.3f}", ratio])
     return rows
 
@@ -197,20 +265,23 @@ def peer_rows(records: list[dict]) -> list[list[str]]:
 
 
 def compare_pairs(records: list[dict], baseline: list[dict]) -> list[tuple[dict, dict]]:
-    """(record, baseline record) matched on model, test and engine; when the models differ (comparing two models
-    on purpose) a unique match on test and engine is used instead."""
-    exact = {_key(r): r for r in baseline}
-    loose: dict[tuple, list[dict]] = {}
-    for r in baseline:
-        loose.setdefault((r["test"], r["engine"]["name"]), []).append(r)
+    """(record, baseline record) matched on model, test, engine and threads; failing that on model, test and engine
+    (a baseline from another thread count, or from before records had threads); when the models differ (comparing
+    two models on purpose) on test and engine. A looser key is used only when exactly one baseline record fits."""
+    keys = (_key, lambda r: _key(r)[:3], lambda r: (r["test"], r["engine"]["name"]))
+    index: list[dict[tuple, list[dict]]] = []
+    for key in keys:
+        found: dict[tuple, list[dict]] = {}
+        for r in baseline:
+            found.setdefault(key(r), []).append(r)
+        index.append(found)
     pairs = []
     for r in records:
-        match = exact.get(_key(r))
-        if match is None:
-            options = loose.get((r["test"], r["engine"]["name"]), [])
-            match = options[0] if len(options) == 1 else None
-        if match is not None:
-            pairs.append((r, match))
+        for i, (key, found) in enumerate(zip(keys, index)):
+            options = found.get(key(r), [])
+            if options and (i == 0 or len(options) == 1):
+                pairs.append((r, options[0]))
+                break
     return pairs
 
 
@@ -293,14 +364,3 @@ def check_writable(path: Path) -> None:
         raise InvalidParameter(f"cannot write {path}: folder {parent} does not exist", hint="create it first")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise InvalidParameter(f"cannot write {path}: permission denied", hint="choose another path")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

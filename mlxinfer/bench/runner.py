@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import InvalidParameter
+from ..errors import InvalidParameter, MlxinferError
 from . import measure, provenance
-from .hardware import hardware_info, os_info
+from .hardware import hardware_info, os_info, remeasure_if_exceeded
 from .memory import check_memory
 from .stats import summarize
 from .workload import Case, PromptSource, expand_cases
@@ -20,6 +20,7 @@ from .workload import Case, PromptSource, expand_cases
 SCHEMA = "mlxinfer-bench/1"
 PEERS = ("mlx-lm",)
 MAX_REPETITIONS, MAX_WARMUP = 10_000, 1_000  # beyond these a run would take days: surely a typo
+MAX_THREADS = 1024
 SEED_MAX = 2**64 - 1
 WARMUP_GEN = 4  # warmup runs decode a few tokens: enough to allocate and compile, cheap at any -n
 Progress = Callable[[str, int, int], None]  # (what is running, done, total)
@@ -28,12 +29,12 @@ PROVENANCE = {
     "model": ("name", "alias", "repo", "revision", "source", "path", "model_type", "params", "params_label",
               "quantization", "bits", "group_size", "quant_mode", "dtype", "weight_bytes", "context_length"),
     "engine": ("name", "version", "git_commit", "git_dirty", "mlx", "mlx_lm", "backend", "kernels", "kernels_detail",
-               "kernels_requested"),
+               "kernels_requested", "threads"),
     "hardware": ("chip", "cpu", "gpu", "cpu_cores", "memory_bytes", "bandwidth_gbps", "bandwidth_source",
-                 "load_avg_1m"),
+                 "bandwidth_method", "load_avg_1m"),
     "os": ("system", "release", "machine", "platform", "python"),
     "workload": ("kind", "prompt_tokens", "gen_tokens", "depth", "batch", "prompt_source", "seed", "warmup",
-                 "repetitions", "sampler", "ignore_eos", "prefill_step"),
+                 "repetitions", "sampler", "ignore_eos", "prefill_step", "kv_bits", "max_kv_size"),
 }
 
 
@@ -51,9 +52,21 @@ class BenchOptions:
     peer: str | None = None
     kernels: str = "auto"
     bandwidth_gbps: float | None = None
+    threads: list[int] | None = None  # -t: native-kernel worker threads to sweep; None: leave them as they are
+    llama: bool = False                # llama-bench's separate ppP and tgN tests instead of one ppP+tgN test
+    kv_bits: int | None = None         # --kv-bits / --max-kv-size: the cache both engines run with (kv_options)
+    max_kv_size: int | None = None
+
+    def kv(self, context_length: int | None = None):
+        """The KV-cache options (validated, against ``context_length`` when given); None for a plain cache."""
+        from ..engine.kv_options import resolve
+
+        opts = resolve(flags={"kv_bits": self.kv_bits, "max_kv_size": self.max_kv_size},
+                       context_length=context_length)
+        return opts if opts.active else None
 
     def cases(self) -> list[Case]:
-        return expand_cases(self.prompts, self.gens, self.depths, self.batches, self.prefixes)
+        return expand_cases(self.prompts, self.gens, self.depths, self.batches, self.prefixes, split=self.llama)
 
     def validate(self) -> "BenchOptions":
         if not 1 <= self.repetitions <= MAX_REPETITIONS:
@@ -74,8 +87,17 @@ class BenchOptions:
             except (OSError, UnicodeDecodeError) as e:
                 raise InvalidParameter(f"cannot read prompt file {self.prompt_file}: {e}") from None
         for values, name in ((self.prompts, "prompt length"), (self.gens, "generation length")):
-            if min(values, default=1) < 1:
-                raise InvalidParameter(f"invalid {name} {min(values)}: must be a positive integer")
+            if min(values, default=1) < (0 if self.llama else 1):  # llama-bench: -p 0 / -n 0 skips those tests
+                rule = "an integer >= 0" if self.llama else "a positive integer"
+                raise InvalidParameter(f"invalid {name} {min(values)}: must be {rule}")
+        if self.llama and (self.batches is not None or self.prefixes):
+            raise InvalidParameter("--llama-bench runs ppP and tgN tests only, not -b or --prefix-cache",
+                                   hint="run those without --llama-bench")
+        if self.kv() is not None and (self.batches is not None or self.prefixes):
+            raise InvalidParameter("--kv-bits / --max-kv-size apply to single-stream tests, not -b or --prefix-cache",
+                                   hint="run those without the KV-cache options")
+        if self.threads is not None and not all(1 <= t <= MAX_THREADS for t in self.threads):
+            raise InvalidParameter(f"invalid thread count {max(self.threads)}: must be between 1 and {MAX_THREADS}")
         if min(self.depths, default=0) < 0 or min(self.prefixes, default=1) < 1:
             raise InvalidParameter("depths must be >= 0 and prefix lengths >= 1")
         if self.batches is not None and min(self.batches, default=1) < 1:
@@ -119,6 +141,7 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
 
     opts.validate()
     resolve_mode(opts.kernels)  # an unknown --kernels value is bad input too
+    check_threads(opts.threads, opts.kernels)
     cases = opts.cases()
     if not cases:
         raise InvalidParameter("nothing to run", hint="give -p/-n lengths or --prefix-cache lengths")
@@ -127,11 +150,13 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
     for spec in specs:
         path, context = context_length_of(spec)
         check_context(spec.alias or spec.name, context, cases)
+        opts.kv(context)  # --max-kv-size within this model's context
         config = json.loads((path / "config.json").read_text())
         check_memory(spec.alias or spec.name, path, config, cases, on_cpu=backend() == "cpu")
     hw = hardware_info(bandwidth_gbps=opts.bandwidth_gbps)
     system = os_info()
-    engines = 2 if opts.peer else 1
+    sweep = opts.threads or [None]
+    engines = len(sweep) + (1 if opts.peer else 0)
     total = len(specs) * engines * len(cases) * (opts.warmup + opts.repetitions)
     ticker = _Ticker(progress, total)
     records: list[dict] = []
@@ -145,26 +170,89 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
         loaded = (load or default_load)(spec, kernels=opts.kernels)
         source = _prompt_source(loaded, opts)
         common = dict(hardware=hw, system=system, source=source, opts=opts, ticker=ticker, emit=emit)
-        engine = {**provenance.engine_info(loaded), "kernels_requested": resolve_mode(opts.kernels)}
-        _run_engine(cases, model=loaded.model, config=loaded.config, timed=measure.mlxinfer_timed(loaded),
-                    engine=engine, model_info=provenance.loaded_model_info(loaded), **common)
+        kv = opts.kv(loaded.context_length)
+        info, timed = provenance.loaded_model_info(loaded), measure.mlxinfer_timed(loaded, kv)
+        before = _native_threads(loaded)
+        try:
+            for count in sweep:
+                engine = {**provenance.engine_info(loaded), "kernels_requested": resolve_mode(opts.kernels),
+                          "threads": _set_threads(loaded, count)}
+                engine["kernels_detail"] = _with_kv_note(engine["kernels_detail"], loaded.model, kv)
+                _run_engine(cases, model=loaded.model, config=loaded.config, timed=timed, engine=engine,
+                            model_info=info, **common)
+        finally:
+            if before is not None:
+                _set_threads(loaded, before)
         if opts.peer == "mlx-lm":
-            from ..kernels.patch import apply_kernels
-
-            # Our kernels also swap attention per mlx-lm module: undo that so the peer runs pure mlx-lm.
-            apply_kernels(loaded.model, "builtin")
+            # Kernel swaps are per model instance (kernels.patch): the peer's fresh model is pure mlx-lm.
             spec_, path, backend, context = loaded.spec, loaded.path, loaded.backend, loaded.context_length
-            del loaded
+            del loaded, timed  # the closure holds the model too: free it before the peer's copy loads
             _free()
             model, tokenizer, config, info = _load_peer(spec_, path, context)
             _run_engine(cases, model=model, config=config, timed=measure.mlx_lm_timed(model, tokenizer),
-                        engine={**provenance.peer_engine_info(backend), "kernels_requested": None},
+                        engine={**provenance.peer_engine_info(backend), "kernels_requested": None, "threads": None},
                         model_info=info, **common)
             del model, tokenizer
         else:
-            del loaded
+            del loaded, timed
         _free()
     return records
+
+
+def _with_kv_note(detail: str | None, model, kv) -> str | None:
+    """The kernel report plus what the custom kernels do about a quantized or capped cache (kv_options)."""
+    from ..engine.kv_options import kernel_note
+
+    note = kernel_note(model, kv)
+    return f"{detail}; {note}" if note and detail else (note or detail)
+
+
+def check_threads(threads: list[int] | None, kernels: str = "auto") -> None:
+    """-t sets the native CPU kernels' worker pool (in this process, between runs); where those kernels will not
+    run, a sweep would only relabel identical runs, so it is refused before anything loads."""
+    if threads is None:
+        return
+    if not all(1 <= t <= MAX_THREADS for t in threads):
+        raise InvalidParameter(f"invalid thread count {max(threads)}: must be between 1 and {MAX_THREADS}")
+    from ..engine.backend import backend
+    from ..kernels.patch import resolve_mode
+
+    why = None
+    if backend() != "cpu":
+        why = f"the {backend()} backend computes on the GPU"
+    elif resolve_mode(kernels) == "builtin":
+        why = "MLX's built-in kernels were asked for"
+    else:
+        from .. import native
+
+        if native.extension() is None:
+            why = native.status()
+    if why:
+        raise InvalidParameter(f"-t sets the worker threads of the native CPU kernels, which do not run here ({why})",
+                               hint="drop -t")
+
+
+def _native_threads(loaded) -> int | None:
+    """The native kernels' worker threads when this model runs on them (MLXINFER_THREADS or all cores), else None:
+    MLX's built-in CPU ops have no thread setting."""
+    if loaded.kernels != "cpu-native":
+        return None
+    from .. import native
+
+    module = native.extension()
+    return int(module.num_threads()) if module is not None else None
+
+
+def _set_threads(loaded, count: int | None) -> int | None:
+    """Set the native worker pool to ``count`` (None: leave it) and return the count now in effect."""
+    if count is not None:
+        if _native_threads(loaded) is None:
+            raise MlxinferError(f"-t needs the native CPU kernels, but {loaded.spec.alias or loaded.spec.name} runs "
+                                f"{loaded.kernels_detail}", hint="drop -t")
+        from .. import native
+
+        native.set_num_threads(count)
+    return _native_threads(loaded)
 
 
 def _free() -> None:
@@ -211,28 +299,32 @@ class _Ticker:
 
 def _run_engine(cases, *, model, config, timed, engine, model_info, hardware, system, source, opts, ticker, emit):
     weights = measure.weights_read_per_token(model, config)
+    kv = opts.kv()
     for case in cases:
-        what = f"{engine['name']} {model_info['name']} {case.label}"
+        what = f"{engine['name']} {model_info['name']} {case.label}" + (
+            f" t{engine['threads']}" if opts.threads and engine.get("threads") is not None else "")
         ticker(what, 0)
         shared: dict = {}  # the prefix cache of a prefix test, filled once and reused by its repetitions
         for _ in range(opts.warmup):
-            _measure(case, model, timed, source, shared, gen=min(case.gen, WARMUP_GEN), depth=0)
+            _measure(case, model, timed, source, shared, gen=min(case.gen, WARMUP_GEN), depth=0, kv=kv)
             ticker(what + " (warmup)")
         samples = []
         for _ in range(opts.repetitions):
-            samples.append(_measure(case, model, timed, source, shared))
+            samples.append(_measure(case, model, timed, source, shared, kv=kv))
             ticker(what)
         if case.kind == "prefix":
             results = _prefix_results(samples)
         else:
             results = _decode_results(case, samples, weights, hardware)
+            if results["bandwidth_share"] and remeasure_if_exceeded(hardware, results["bandwidth_gbps"]["mean"]):
+                results = _decode_results(case, samples, weights, hardware)  # against the new peak
         emit(_record(case, engine, model_info, hardware, system, source, opts, results))
         del shared
         _free()
 
 
 def _measure(case: Case, model, timed, source: PromptSource, shared: dict, gen: int | None = None,
-             depth: int | None = None):
+             depth: int | None = None, kv=None):
     n = case.gen if gen is None else gen
     d = case.depth if depth is None else depth
     if case.kind == "batch":
@@ -240,8 +332,8 @@ def _measure(case: Case, model, timed, source: PromptSource, shared: dict, gen: 
         return measure.run_batch(model, [r[d:] for r in rows], n, [r[:d] for r in rows] if d else None)
     tokens = source.take(case.depth + case.prompt)
     context, prompt = tokens[:case.depth], tokens[case.depth:]
-    if case.kind == "generate":
-        return measure.run_stream(timed, model, prompt, n, context[:d] if d else ())
+    if case.kind in ("generate", "pp", "tg"):
+        return measure.run_stream(timed, model, prompt, n, context[:d] if d else (), kv=kv)
     if "cache" not in shared:
         shared["cache"] = measure.new_cache(model, context)
     return _prefix_sample(model, timed, shared["cache"], context, prompt)
@@ -279,6 +371,12 @@ def _decode_results(case: Case, samples: list, weights: int, hardware: dict) -> 
     peak_bw = hardware.get("bandwidth_gbps")
     latencies = [x for s in samples for x in s.latencies]
     bw = summarize(bandwidth)
+    share = bw["mean"] / peak_bw if peak_bw and case.gen > 1 else None
+    note = None
+    if share is not None and share > 1:
+        # More than the peak is not a DRAM figure: the peak is low (a busy probe) or caches served the weights.
+        note = (f"above the peak of {peak_bw:.1f} GB/s ({hardware.get('bandwidth_source')}): the peak is too low "
+                "or the weights were read from CPU caches")
     return {
         "prefill_tps": summarize([s.prefill_tps for s in samples]),
         "decode_tps": summarize([s.decode_tps for s in samples]),
@@ -291,7 +389,8 @@ def _decode_results(case: Case, samples: list, weights: int, hardware: dict) -> 
         "weight_bytes_read_per_step": int(weights),
         "decode_bytes_per_step": int(step_bytes),
         "bandwidth_gbps": bw,
-        "bandwidth_share": bw["mean"] / peak_bw if peak_bw else None,
+        "bandwidth_share": share,
+        "bandwidth_note": note,
         "samples": {"prefill_tps": [s.prefill_tps for s in samples], "decode_tps": [s.decode_tps for s in samples],
                     "ttft_s": [s.ttft for s in samples], "e2e_s": [s.e2e for s in samples]},
     }
@@ -309,6 +408,6 @@ def _record(case, engine, model_info, hardware, system, source, opts, results) -
         "workload": {"kind": case.kind, "prompt_tokens": case.prompt, "gen_tokens": case.gen, "depth": case.depth,
                      "batch": case.batch, "prompt_source": source.label, "seed": opts.seed, "warmup": opts.warmup,
                      "repetitions": opts.repetitions, "sampler": "greedy", "ignore_eos": True,
-                     "prefill_step": measure.PREFILL_STEP},
+                     "prefill_step": measure.PREFILL_STEP, "kv_bits": opts.kv_bits, "max_kv_size": opts.max_kv_size},
         "results": results,
     }

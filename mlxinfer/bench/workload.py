@@ -65,8 +65,9 @@ def _expand_range(first: int, last: int, op: str, step: int, name: str, item: st
 
 @dataclass(frozen=True)
 class Case:
-    """One test: ``kind`` is "generate" (single stream), "batch" (b streams through mlx-lm's BatchGenerator) or
-    "prefix" (TTFT with a cold cache vs a warm shared prefix of ``depth`` tokens)."""
+    """One test: ``kind`` is "generate" (single stream: prompt then generation, one row), "pp" / "tg" (llama-bench's
+    separate tests: a prompt with one token generated, or generation after a one-token prompt), "batch" (b streams
+    through mlx-lm's BatchGenerator) or "prefix" (TTFT with a cold cache vs a warm shared prefix of ``depth``)."""
 
     kind: str
     prompt: int     # new prompt tokens prefilled by the timed call
@@ -78,7 +79,7 @@ class Case:
     def label(self) -> str:
         if self.kind == "prefix":
             return f"prefix{self.depth}+pp{self.prompt}"
-        text = f"pp{self.prompt}+tg{self.gen}"
+        text = {"pp": f"pp{self.prompt}", "tg": f"tg{self.gen}"}.get(self.kind, f"pp{self.prompt}+tg{self.gen}")
         if self.depth:
             text += f" @ d{self.depth}"
         if self.kind == "batch":
@@ -91,12 +92,17 @@ class Case:
 
 def expand_cases(
     prompts: Sequence[int], gens: Sequence[int], depths: Sequence[int] = (0,),
-    batches: Sequence[int] | None = None, prefixes: Sequence[int] = (),
+    batches: Sequence[int] | None = None, prefixes: Sequence[int] = (), split: bool = False,
 ) -> list[Case]:
     """Every combination of the lists: single-stream cases (or batch cases when ``batches`` is given), then one
-    prefix-cache case per (prefix, prompt)."""
+    prefix-cache case per (prefix, prompt). ``split``: llama-bench's tests instead, ppP and tgN per depth
+    (a length of 0 is skipped, as in llama-bench)."""
     cases: list[Case] = []
     for d in depths:
+        if split:
+            cases.extend(Case("pp", p, 1, d) for p in prompts if p > 0)
+            cases.extend(Case("tg", 1, n, d) for n in gens if n > 0)
+            continue
         for p in prompts:
             for n in gens:
                 if batches is None:

@@ -10,7 +10,6 @@ import typer
 
 from . import options as o
 
-MICRO_MAX_ROWS, MICRO_MAX_CONTEXT = 4096, 262_144
 LIST_HELP = "llama-bench syntax: 512 | 128,256 | 128-512+128 | 64-1024*2"
 
 
@@ -47,9 +46,24 @@ def bench_cmd(
         "--bandwidth", help="Peak memory bandwidth in GB/s (default: Apple's table, or a cached copy probe)."
     )] = None,
     kernels: o.Kernels = "auto",
+    kv_bits: o.KvBits = None,
+    max_kv_size: o.MaxKvSize = None,
+    threads: Annotated[Optional[str], typer.Option(
+        "--threads", "-t", help="Native CPU kernel worker threads to sweep, e.g. 1,2,4 (a threads column; "
+        "default: MLXINFER_THREADS or all cores). Set in this process between runs; MLX's built-in ops and the "
+        "mlx-lm peer have no thread setting."
+    )] = None,
+    llama_bench: Annotated[bool, typer.Option(
+        "--llama-bench", help="llama-bench's tests and table: ppP (prompt, one token out) and tgN (generation "
+        "after a one-token prompt) as separate rows of model | size | params | backend | threads | test | t/s; "
+        "-p 0 / -n 0 skip them."
+    )] = False,
+    csv_all: Annotated[bool, typer.Option(
+        "--csv-all", help="CSV with every field of the records (raw samples included), not the curated columns."
+    )] = False,
     microbench: Annotated[bool, typer.Option(
-        "--microbench", help="Time the custom kernels against MLX's built-ins at 1B-8B decode shapes instead "
-        "(MODELS: shape sets; -b: rows, -d: attention contexts, -r: timed evaluations)."
+        "--microbench", help="Deprecated: use `mlxinfer microbench` (MODELS: shape sets; -b: rows, -d: contexts).",
+        hidden=True,
     )] = False,
     pipeline: Annotated[bool, typer.Option("--pipeline", help="Under mlx.launch: split the layers into stages "
                                            "(pipeline parallel) instead of tensor parallel.")] = False,
@@ -64,16 +78,28 @@ def bench_cmd(
     if microbench:
         return _microbench(models or [], n_depth, batch, repetitions, output, bandwidth,
                            unused={"--peer": peer, "--prefix-cache": prefix_cache, "--compare": compare,
-                                   "--prompt-file": prompt_file})
+                                   "--prompt-file": prompt_file, "-t": threads, "--kv-bits": kv_bits,
+                                   "--max-kv-size": max_kv_size})
     # Everything the user typed is checked here, before any model is loaded or any run starts.
+    low = 0 if llama_bench else 1  # llama-bench: -p 0 / -n 0 skip the pp / tg tests
     opts = BenchOptions(
-        prompts=parse_int_list(n_prompt, "prompt length"), gens=parse_int_list(n_gen, "generation length"),
+        prompts=parse_int_list(n_prompt, "prompt length", minimum=low),
+        gens=parse_int_list(n_gen, "generation length", minimum=low),
         depths=parse_int_list(n_depth, "depth", minimum=0),
         batches=parse_int_list(batch, "batch size") if batch is not None else None,
         prefixes=parse_int_list(prefix_cache, "prefix length") if prefix_cache is not None else [],
         repetitions=repetitions, warmup=warmup, seed=seed, prompt_file=prompt_file, peer=peer, kernels=kernels,
-        bandwidth_gbps=bandwidth,
+        bandwidth_gbps=bandwidth, llama=llama_bench, kv_bits=kv_bits, max_kv_size=max_kv_size,
+        threads=parse_int_list(threads, "thread count") if threads is not None else None,
     ).validate()
+    from ..bench.runner import check_threads
+    from ..fsutil import atomic_write_text
+
+    check_threads(opts.threads, opts.kernels)
+
+    def render(records: list[dict]) -> str:
+        return report.render(records, fmt, baseline, llama=llama_bench, csv_all=csv_all)
+
     fmt, out_path = report.output_target(output)
     baseline = report.load_baseline(compare) if compare is not None else None
     from ..distributed import enter
@@ -96,7 +122,7 @@ def bench_cmd(
             records = run_bench(specs, opts, load=load, progress=progress, on_record=on_record)
     except KeyboardInterrupt:
         if out_path is not None and finished:  # keep the tests that did finish
-            report.write_atomic(out_path, report.render(finished, fmt, baseline))
+            atomic_write_text(out_path, render(finished))
             print(f"\nsaved the {len(finished)} finished records to {out_path}", file=sys.stderr)
         raise
     if world is not None:  # world size, strategy, per-rank peak memory, communication per token; rank 0 reports
@@ -108,53 +134,39 @@ def bench_cmd(
 
     if fmt is not None and out_path is None:
         if not stream_jsonl:
-            sys.stdout.write(report.render(records, fmt, baseline))
+            sys.stdout.write(render(records))
         return
     if out_path is not None:
-        report.write_atomic(out_path, report.render(records, fmt, baseline))
-        if not sys.stdout.isatty():
+        atomic_write_text(out_path, render(records))
+        if not sys.stdout.isatty() or llama_bench:
             print(f"saved {len(records)} records to {out_path}", file=sys.stderr)
-    if sys.stdout.isatty():
+    if sys.stdout.isatty() and not llama_bench:
         print_bench(records, baseline, saved=out_path)
-    elif out_path is None:
-        sys.stdout.write(report.to_markdown(records, baseline))
+    elif out_path is None or llama_bench:  # llama-bench prints its Markdown table on a terminal too
+        sys.stdout.write(report.render(records, "md", baseline, llama=llama_bench))
 
 
 def _microbench(names, n_depth, batch, repetitions, output, bandwidth, unused: dict) -> None:
-    from ..bench import kernels as kb
-    from ..bench import report
-    from ..bench.workload import parse_int_list
+    """The deprecated ``bench --microbench``: ``mlxinfer microbench`` with -b as --rows and -d as --context."""
     from ..errors import InvalidParameter
-    from ..ui.bench_view import BenchProgress
+    from .microbench import run_microbench
 
     given = [flag for flag, value in unused.items() if value is not None]
     if given:
         raise InvalidParameter(f"{given[0]} does not apply to --microbench")
-    from ..bench.runner import MAX_REPETITIONS
 
-    if not 1 <= repetitions <= MAX_REPETITIONS:
-        raise InvalidParameter(f"invalid repetitions {repetitions}: must be between 1 and {MAX_REPETITIONS}")
-    names = kb.check_shape_sets(names)
-    contexts = [d for d in parse_int_list(n_depth, "context", minimum=0) if d > 0] or [512, 4096, 16384]
-    rows = parse_int_list(batch, "rows") if batch is not None else [1, 4]
-    # Decode shapes: beyond these the buffers alone (rows x 14336 floats, a context of K and V) exhaust memory.
-    for values, name, top in ((rows, "rows (-b)", MICRO_MAX_ROWS), (contexts, "context (-d)", MICRO_MAX_CONTEXT)):
-        if max(values) > top:
-            raise InvalidParameter(f"invalid {name} {max(values)} for --microbench: must be at most {top:,}")
-    fmt, out_path = report.output_target(output)
-    with BenchProgress() as (progress, _):
-        records = kb.run_kernel_bench(names, rows=rows, contexts=contexts, repeat=repetitions,
-                                      bandwidth_gbps=bandwidth, progress=progress)
-    writers = {"md": kb.to_markdown, "csv": report.to_csv, "json": report.to_json, "jsonl": report.to_jsonl}
-    text = writers[fmt or "md"](records)
-    if out_path is not None:
-        report.write_atomic(out_path, text)
-        print(f"saved {len(records)} records to {out_path}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
+    def notice() -> None:
+        print("warning: `bench --microbench` is deprecated: use `mlxinfer microbench` (-b is --rows there, "
+              "-d is --context)", file=sys.stderr)
+
+    run_microbench(names, rows=batch if batch is not None else "1,4", contexts=n_depth, repetitions=repetitions,
+                   threads=None, output=output, bandwidth=bandwidth, before_run=notice, alias=True)
+
+
+_EPILOG = ("Examples: mlxinfer bench smollm2 -p 512 -n 128 -t 1,2,4 --llama-bench · mlxinfer bench -p 512 -n 128 "
+           "-d 0,4096 --peer mlx-lm -o run.json · mlxinfer bench --compare run.json · mlxinfer bench -o csv.")
 
 
 def register(app: typer.Typer) -> None:
-    app.command("bench", help="Benchmark models: prefill/decode tok/s, TTFT, latency percentiles, memory, bandwidth.")(
-        bench_cmd
-    )
+    app.command("bench", help="Benchmark models: prefill/decode tok/s, TTFT, latency percentiles, memory, bandwidth.",
+                epilog=_EPILOG)(bench_cmd)

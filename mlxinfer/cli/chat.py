@@ -78,6 +78,22 @@ def _params(spec, saved, session, loaded, flags):
         raise InvalidParameter(str(e), hint=f"saved in session '{session}'; a flag overrides it") from None
 
 
+def _kv(spec, saved, session, loaded, kv_flags):
+    """The KV-cache options by the same precedence as the sampling settings (registry < session < flags)."""
+    from ..engine.settings import resolve_kv
+    from ..errors import InvalidParameter
+
+    settings = (saved or {}).get("settings")
+    try:
+        return resolve_kv(spec.defaults, settings if isinstance(settings, dict) else None, kv_flags, loaded=loaded)
+    except (InvalidParameter, TypeError) as e:
+        if saved is None:
+            raise
+        resolve_kv(spec.defaults, None, kv_flags, loaded=loaded)  # raises if the cause is not the session
+        raise InvalidParameter(f"invalid KV-cache settings: {e}",
+                               hint=f"saved in session '{session}'; --kv-bits / --max-kv-size override it") from None
+
+
 def chat(
     model: o.Model = None,
     system: o.System = None,
@@ -88,6 +104,8 @@ def chat(
     repeat_penalty: o.RepeatPenalty = None,
     max_tokens: o.MaxTokens = None,
     seed: o.Seed = None,
+    kv_bits: o.KvBits = None,
+    max_kv_size: o.MaxKvSize = None,
     context: Context = None,
     session: SessionName = None,
     fork: Fork = None,
@@ -106,7 +124,11 @@ def chat(
     plain = plain or bool(os.environ.get("NO_COLOR")) or not (sys.stdin.isatty() and sys.stdout.isatty())
     flags = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
                  max_tokens=max_tokens, seed=seed)
+    kv_flags = dict(kv_bits=kv_bits, max_kv_size=max_kv_size)
     o.sampling_from(None, **flags)  # a bad flag fails before anything is locked or loaded
+    from ..engine.settings import resolve_kv
+
+    resolve_kv(None, None, kv_flags)
     from ..distributed import enter
 
     world = enter(pipeline)
@@ -122,12 +144,13 @@ def chat(
         spec = registry.resolve(model or (saved or {}).get("model"))
         loaded = load_model(spec, kernels=kernels)
         params = _params(spec, saved, session, loaded, flags)
+        kv = _kv(spec, saved, session, loaded, kv_flags)
         if saved is not None:
-            chat_session = Session.from_dict(saved, loaded, params=params)
+            chat_session = Session.from_dict(saved, loaded, params=params, kv=kv)
             if system is not None:
                 chat_session.system = system or None
         else:
-            chat_session = Session(loaded, params,
+            chat_session = Session(loaded, params, kv=kv,
                                    system=system if system is not None else spec.defaults.get("system"))
         if context is not None:
             chat_session.set_context(context)
@@ -141,6 +164,7 @@ def chat(
             from ..distributed import describe, follow
 
             app.world = world
+            follow.coordinate_ctrl_c()  # Ctrl-C on rank 0 stops the reply on every rank at the same token
             app.reader = follow.LeaderReader(app.reader) if world.leader else follow.FollowerReader()
             app.view.notice(describe(world))
         if fork is not None:

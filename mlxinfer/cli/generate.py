@@ -24,6 +24,8 @@ def generate_cmd(
     repeat_penalty: o.RepeatPenalty = None,
     max_tokens: o.MaxTokens = None,
     seed: o.Seed = None,
+    kv_bits: o.KvBits = None,
+    max_kv_size: o.MaxKvSize = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with the reply and stats.")] = False,
     kernels: o.Kernels = "auto",
@@ -32,6 +34,8 @@ def generate_cmd(
 ):
     """Generate a reply to one prompt."""
     from ..engine.generate import prompt_tokens, stream_generate
+    from ..engine.kv_options import kernel_note
+    from ..engine.settings import resolve_kv
     from ..errors import InvalidParameter
     from ..registry import Registry
     from ..ui.console_out import print_stats_line
@@ -53,11 +57,17 @@ def generate_cmd(
     spec = registry.resolve(model)
     flags = dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
                  max_tokens=max_tokens, seed=seed)
+    kv_flags = dict(kv_bits=kv_bits, max_kv_size=max_kv_size)
     o.sampling_from(spec.defaults, **flags)  # what needs no model is refused before the model loads
+    resolve_kv(spec.defaults, None, kv_flags)
     loaded = load_model(spec, kernels=kernels)
     if world is not None:
         stderr_console().print(f"distributed: {describe(world)}", markup=False, soft_wrap=True)
     params = o.sampling_from(spec.defaults, loaded=loaded, **flags)
+    kv = resolve_kv(spec.defaults, None, kv_flags, loaded=loaded)
+    note = kernel_note(loaded.model, kv)
+    if note and not as_json:  # the custom kernels' part that steps aside for this cache, said once
+        stderr_console().print(f"kernels: {note}", markup=False, soft_wrap=True)
     if not raw:
         system = system if system is not None else spec.defaults.get("system")
     # Checked against the context before any prefill: a prompt that cannot fit is refused, not truncated.
@@ -69,7 +79,7 @@ def generate_cmd(
 
     out = sys.stdout
     pieces, last = [], None
-    for r in stream_generate(loaded, tokens, run_params):
+    for r in stream_generate(loaded, tokens, run_params, kv=kv):
         pieces.append(r.text)
         last = r
         if not as_json and r.text:
@@ -82,7 +92,7 @@ def generate_cmd(
             "prompt_tokens": stats.prompt_tokens, "prompt_tps": stats.prompt_tps, "ttft_s": stats.ttft,
             "generation_tokens": stats.generation_tokens, "generation_tps": stats.generation_tps,
             "peak_memory_bytes": stats.peak_memory, "kernels": loaded.kernels, "backend": loaded.backend,
-            "sampling": params.as_dict(),
+            "sampling": params.as_dict(), "kv_cache": {**kv.as_dict(), "kernel_note": note},
         }, out)
         out.write("\n")
     else:

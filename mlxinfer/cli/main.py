@@ -14,7 +14,7 @@ import typer
 
 from .. import __version__
 
-COMMANDS = ("chat", "generate", "bench", "convert", "models", "pull", "rm", "show", "serve")
+COMMANDS = ("chat", "generate", "bench", "microbench", "convert", "models", "pull", "rm", "show", "serve")
 
 app = typer.Typer(
     name="mlxinfer",

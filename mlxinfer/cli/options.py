@@ -36,3 +36,8 @@ def sampling_from(spec_defaults: Mapping[str, Any] | None, saved: Mapping[str, A
     from ..engine.settings import resolve
 
     return resolve(spec_defaults, saved, flags, loaded=loaded)
+KvBits = Annotated[Optional[int], typer.Option(
+    "--kv-bits", help="Quantize the KV cache to 4 or 8 bits (less memory for long contexts; default: off).")]
+MaxKvSize = Annotated[Optional[int], typer.Option(
+    "--max-kv-size", help="Keep at most N tokens in the KV cache (a rotating window: long chats go on, the "
+    "oldest tokens but the first 4 are dropped; default: the whole context).")]

@@ -9,6 +9,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from . import options as o
+from .chat import Pipeline
 
 
 def serve_cmd(
@@ -32,7 +33,7 @@ def serve_cmd(
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens prefilled between two "
                                                "decode steps.")] = 256,
     batch_from: Annotated[int, typer.Option("--batch-from", help="Decode as one batch from this many sequences "
-                                            "on (fewer each run the single-sequence fast path).")] = 4,
+                                            "on (fewer each run the single-sequence fast path).")] = 2,
     allow_origin: Annotated[Optional[List[str]], typer.Option(
         "--allow-origin", help="A web origin (e.g. http://localhost:3000) whose pages may call the API from a "
         "browser (CORS); repeatable, '*' for any.")] = None,
@@ -44,6 +45,7 @@ def serve_cmd(
     max_tokens: o.MaxTokens = None,
     seed: o.Seed = None,
     kernels: o.Kernels = "auto",
+    pipeline: Pipeline = False,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level: warning, info (one line "
                                            "per request), debug.")] = "warning",
 ):
@@ -66,7 +68,11 @@ def serve_cmd(
             raise InvalidParameter(f"invalid {name} {value}: must be >= 0 seconds")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise InvalidParameter(f"invalid --log-level {log_level!r}", hint="warning, info or debug")
-    check_bind(host, port, api_key)
+    from ..distributed import enter
+
+    world = enter(pipeline)  # under mlx.launch: rank 0 serves, the others follow (docs/distributed.md)
+    if world is None or world.leader:
+        check_bind(host, port, api_key)
     registry = Registry.load()
     spec = registry.resolve(model)
     flags = {k: v for k, v in dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,
@@ -74,10 +80,23 @@ def serve_cmd(
     resolve(spec.defaults, None, flags)  # bad flag values fail here, before the model loads
     loaded = load_model(spec, kernels=kernels)
     resolve(spec.defaults, None, flags, loaded=loaded)
+    engine_opts = dict(parallel=parallel, queue_size=queue_size, timeout=timeout or None,
+                       prefix_cache_bytes=prefix_cache_mb << 20, prefill_chunk=prefill_chunk, batch_from=batch_from)
+    if world is not None:
+        from ..distributed import describe
+        from ..distributed.serve import FollowerEngine, LeaderEngine
+        from ..serve.metrics import Metrics
+
+        print(f"distributed: {describe(world)}", file=sys.stderr, flush=True)
+        if not world.leader:
+            FollowerEngine(loaded, Metrics(), **engine_opts).follow()
+            return
+        world.watchdog.on_signals = False  # SIGTERM/Ctrl-C drain (uvicorn's handler), then rank 0 stops the rest
     opts = ServeOptions(api_key=api_key, max_body=max_body, parallel=parallel, queue_size=queue_size,
                         timeout=timeout or None, prefix_cache_bytes=prefix_cache_mb << 20,
                         prefill_chunk=prefill_chunk, batch_from=batch_from, flags=flags,
-                        allow_origins=list(allow_origin or []))
+                        allow_origins=list(allow_origin or []),
+                        **({"engine_class": LeaderEngine} if world is not None else {}))
     shown = f"[{host}]" if ":" in host else host
     print(f"mlxinfer serve: {loaded.name} ({loaded.kernels}) on http://{shown}:{port}/v1 — parallel {parallel}, "
           f"queue {queue_size}{', API key required' if api_key else ''} (Ctrl-C or SIGTERM to stop)",

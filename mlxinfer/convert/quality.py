@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .._resources import data_path
-from ..errors import InvalidModel
+from ..errors import InvalidModel, MlxinferError
 
 Progress = Callable[[str, int, int], None]
 SAMPLE_FILE = "eval_sample.txt"
@@ -103,10 +103,12 @@ def evaluate(
     import numpy as np
 
     if tokenizer is None:
-        from mlx_lm.utils import load_tokenizer
+        from ..engine.trust import load_tokenizer  # no remote code, no downloads, no stdin questions
 
         try:
-            tokenizer = load_tokenizer(source_dir)
+            tokenizer = load_tokenizer(Path(source_dir))
+        except MlxinferError:
+            raise
         except Exception as e:  # noqa: BLE001 - transformers raises many types for tokenizers it cannot build
             raise InvalidModel(f"cannot load the tokenizer in {source_dir} for the quality check: {e}",
                                hint="convert with --no-eval") from None

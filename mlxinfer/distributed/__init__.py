@@ -8,6 +8,7 @@ Outside ``mlx.launch`` both do nothing.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from .group import DistributedError, World, current, launched  # noqa: F401
@@ -46,11 +47,19 @@ def prepare(model, config: dict) -> Optional[str]:
     if plan["strategy"] == "tensor":
         plan["kernels"] = ("sharded linear layers run MLX's built-in quantized matmul and the fused decoder "
                            "layer steps aside (both take unsharded nn.QuantizedLinear only)")
+        plan["model"] = weakref.ref(model)  # describe() reads what the kernels made of each layer group
     return describe(world)
 
 
 def describe(world: World) -> str:
+    """One line: strategy, this rank's layers, fallback, and (tensor parallel, once the kernels are applied)
+    what runs each layer group."""
     plan = world.plan
+    model = plan["model"]() if plan.get("model") else None
+    if model is not None and any(type(m).__module__.startswith("mlxinfer.") for _, m in model.named_modules()):
+        from .tensor import kernel_groups
+
+        plan = {**plan, "kernels": kernel_groups(model)}
     line = f"{plan['strategy']} parallel over {world.size} ranks ({world.backend}), rank {world.rank}: layers " \
            f"{plan['layers']}"
     if plan.get("fallback"):

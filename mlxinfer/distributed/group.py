@@ -37,6 +37,7 @@ class World:
     strategy: str            # tensor | pipeline (what was asked; the plan may fall back to pipeline)
     timeout: float
     plan: dict = field(default_factory=dict)   # what the loader did: strategy, stage layers, fallbacks
+    interrupted: bool = False  # a follower got SIGINT: Ctrl-C went to mlx.launch's whole group (see follow.py)
     watchdog: Optional["Watchdog"] = None
 
     @property
@@ -107,6 +108,9 @@ def setup(pipeline: bool = False) -> Optional[World]:
                   timeout=timeout)
     if not world.leader:
         silence()
+        # Ctrl-C in mlx.launch's terminal reaches every rank (they share its process group): rank 0 acts for all;
+        # a follower only notes it (it tells rank 0 that the launcher got it too).
+        signal.signal(signal.SIGINT, lambda _s, _f: setattr(world, "interrupted", True))
     world.watchdog = Watchdog(world)
     _stop_on_signals(world)
     _WORLD = world
@@ -141,6 +145,7 @@ class Watchdog:
     def __init__(self, world: World):
         self.world = world
         self._since: Optional[float] = None
+        self.on_signals = True  # False when the command drains on SIGTERM itself (serve's rank 0)
         self._lock = threading.Lock()
         self._signals = _signal_pipe()
         self._thread = threading.Thread(target=self._watch, name="mlxinfer-watchdog", daemon=True)
@@ -163,7 +168,7 @@ class Watchdog:
             if self._signals is not None and select.select([self._signals], [], [], wait)[0]:
                 got = os.read(self._signals, 64)
                 term = [b for b in got if b in _STOP_SIGNALS]
-                if term and stopped_at is None:
+                if term and stopped_at is None and self.on_signals:
                     stopped_at, signum = time.monotonic(), term[0]
             elif self._signals is None:
                 time.sleep(wait)
@@ -179,7 +184,7 @@ class Watchdog:
                      f"(raise {TIMEOUT_VAR} for slow links)")
 
 
-_STOP_SIGNALS = {int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, n)}
+_STOP_SIGNALS = {int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)}  # not Ctrl-C: rank 0's
 _SIGNAL_GRACE = 3.0  # seconds the main thread has to handle a signal itself before the watchdog steps in
 
 

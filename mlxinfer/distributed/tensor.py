@@ -36,3 +36,29 @@ def why_not(model, config: dict, size: int) -> Optional[str]:
 def shard(model, world: World) -> dict:
     model.shard(world.group)
     return {"strategy": "tensor", "layers": "all (1/%d of each matrix)" % world.size}
+
+
+def kernel_groups(model) -> str:
+    """What runs each layer group of a tensor-parallel model, read from its module classes after the kernels
+    were applied: mlx's sharded layers (MLX's built-in quantized matmul) and the custom kernel classes."""
+    sharded, custom, quantized = [], {}, False
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not leaf or leaf.isdigit():
+            continue
+        where = type(m).__module__
+        if where.startswith("mlx.nn.layers.distributed"):
+            quantized = quantized or type(m).__name__.startswith("Quantized")
+            if leaf not in sharded:
+                sharded.append(leaf)
+        elif where.startswith("mlxinfer."):
+            leaves = custom.setdefault(type(m).__name__, [])
+            if leaf not in leaves:
+                leaves.append(leaf)
+    matmul = "quantized matmul" if quantized else "matmul"
+    line = (f"sharded linear layers run MLX's built-in {matmul} ({', '.join(sorted(sharded)) or 'none'}: the "
+            "custom kernels take only unsharded nn.QuantizedLinear, and the fused attention / MLP / decoder layer, "
+            "which fold whole projections into one op with no all-reduce, step aside)")
+    if custom:
+        line += "; custom kernels: " + ", ".join(f"{', '.join(sorted(v))} ({k})" for k, v in sorted(custom.items()))
+    return line

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from ..errors import InvalidParameter
+from .kv_options import KVOptions, make_cache, maybe_quantize
 from .loader import LoadedModel
 from .sampling import SamplingParams, make_logits_processors, make_sampler
 from .templates import render, special_tokens_of
@@ -200,11 +201,12 @@ def stream_generate(
     ignore_eos: bool = False,
     prompt_progress: Callable[[int, int], None] | None = None,
     prefill_step_size: int = 512,
+    kv: KVOptions | None = None,
 ) -> Iterator[Response]:
     """Yield the reply piece by piece. ``cache`` (an mlx-lm prompt cache) is extended in place: pass the tokens
-    it does not hold yet as ``prompt``. After the stream ends the cache holds prompt + ``stats.tokens``."""
+    it does not hold yet as ``prompt``. After the stream ends the cache holds prompt + ``stats.tokens``.
+    ``kv``: the KV-cache options (quantized or capped) a new cache is made with and a given one kept by."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     from .steps import token_steps
 
@@ -223,10 +225,11 @@ def stream_generate(
     mx.reset_peak_memory()
     start = last = time.perf_counter()
     steps = token_steps(
-        loaded.model, tokens, cache=cache if cache is not None else make_prompt_cache(loaded.model),
+        loaded.model, tokens, cache=cache if cache is not None else make_cache(loaded.model, kv),
         sampler=make_sampler(params), greedy=params.temperature == 0,
         logits_processors=make_logits_processors(params), max_tokens=params.max_tokens,
         prefill_step_size=prefill_step_size, prompt_progress=prompt_progress,
+        after_call=(lambda c: maybe_quantize(c, kv)) if kv is not None and kv.quantized_start else None,
     )
     finish, stopped_by_string = "length", False
     try:

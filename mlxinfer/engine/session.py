@@ -8,30 +8,28 @@ Nothing here prints; the UI iterates a ``Turn`` and reads its fields.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
-from ..errors import InvalidParameter, MlxinferError, Terminated
+from ..errors import InvalidParameter, MlxinferError
 from . import settings as _settings
-from .generate import Response, chat_prompt, stream_generate
+from .generate import chat_prompt
+from .kv_options import KVOptions, make_cache
 from .loader import LoadedModel
 from .sampling import SamplingParams, repair_random_state
+from .turn import CHAT_PREFILL_STEP, Cancelled, Turn  # noqa: F401 - the Turn of a session, importable from here
 
 SESSION_FORMAT = "mlxinfer.session"
 SESSION_VERSION = 1
 THINK_MODES = ("on", "off", "hide")   # on: shown dimmed, hide: generated but not shown, off: asked not to think
-# Prefill in small chunks in chat so a cancel lands within a few seconds even on a slow CPU prefill.
-CHAT_PREFILL_STEP = 128
 MIN_CONTEXT = _settings.MIN_CONTEXT
-# What ``/set NAME VALUE`` accepts: SamplingParams' fields ("temp" for temperature) plus the session's "context".
-SETTING_NAMES = _settings.setting_names()
+# What ``/set NAME VALUE`` accepts: SamplingParams' fields ("temp" for temperature), the session's "context" and
+# the KV-cache options (a change starts a new cache: the history is prefilled again on the next turn).
+KV_SETTINGS = ("kv_bits", "max_kv_size")
+SETTING_NAMES = _settings.setting_names() + KV_SETTINGS
 
 
 class SessionError(MlxinferError):
     """A chat action that cannot be done now (nothing to retry, message too long, bad session file)."""
-
-
-class Cancelled(Exception):
-    """Raised inside the prefill progress callback to stop a cancelled turn at a chunk boundary."""
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -40,83 +38,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-class Turn:
-    """One reply being generated. Iterate it for ``Response`` pieces; ``cancel()`` (e.g. from a SIGINT handler)
-    stops it at the next token or prefill chunk. When iteration ends, however it ends, the reply is in the
-    session's history (``interrupted`` if cut short) and the cache is re-synced to the tokens it really holds."""
-
-    def __init__(self, session: "Session", tokens: list[int], reused: int, dropped: int, max_tokens: int):
-        self.session = session
-        self.tokens = tokens            # the full rendered prompt (history + generation prompt)
-        self.reused = reused            # of which the cache already held this many
-        self.dropped = dropped          # messages dropped from the start of the history to fit the context
-        self.max_tokens = max_tokens    # this turn's limit (the setting, capped by the room left in the context)
-        self.text = ""
-        self.stats = None
-        self.interrupted = False
-        self.discarded = False          # cancelled before the first token: the exchange was removed
-        self.error: Exception | None = None  # generation failed: the session is back where it was before
-        self.terminated = False         # SIGTERM/SIGHUP: keep the exchange (marked interrupted) even if empty
-        self.before: list[dict] = []    # the messages before this turn (restored if it fails)
-        self.on_prefill = None          # optional callback(done, total) while the prompt is prefilled
-        self._cancel = False
-        self._started = False
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.tokens) - self.reused
-
-    def cancel(self) -> None:
-        self._cancel = True
-
-    def _progress(self, done: int, total: int) -> None:
-        if self.on_prefill is not None:
-            self.on_prefill(done, total)  # may cancel (the UI polls for Ctrl-C here)
-        if self._cancel and done < total:
-            raise Cancelled  # the chunks done so far are complete in the cache and stay usable
-
-    def __iter__(self) -> Iterator[Response]:
-        if self._started:
-            raise RuntimeError("a Turn can be iterated once")
-        self._started = True
-        s = self.session
-        params = s.params.with_values(max_tokens=self.max_tokens)
-        stream = stream_generate(
-            s.loaded, self.tokens[self.reused:], params, cache=s._cache, prompt_progress=self._progress,
-            prefill_step_size=CHAT_PREFILL_STEP,
-        )
-        broken = False
-        try:
-            while not self._cancel:
-                try:
-                    r = next(stream)
-                except StopIteration:
-                    break
-                except Cancelled:
-                    self._cancel = True
-                    break
-                except Exception as e:
-                    # A failure (an MLX error, a sampler refusing a value): the turn is undone in _finish_turn.
-                    self.error = e
-                    raise
-                except BaseException as e:
-                    # Ctrl-C or SIGTERM inside the model call: a layer's cache may be half-updated.
-                    broken = self._cancel = True
-                    self.terminated = self.terminated or isinstance(e, Terminated)
-                    raise
-                self.text += r.text
-                self.stats = r.stats
-                yield r
-        finally:
-            # Read before close(): closing a suspended stream marks its stats "interrupted" itself.
-            complete = self.stats is not None and self.stats.finish_reason in ("stop", "length")
-            stream.close()
-            self.interrupted = not complete and self.error is None
-            if self.stats is not None and not complete:
-                self.stats.finish_reason = "error" if self.error is not None else "interrupted"
-            s._finish_turn(self, broken)
 
 
 class Session:
@@ -131,6 +52,7 @@ class Session:
         context: int | None = None,
         think: str = "on",
         messages: list[dict] | None = None,
+        kv: KVOptions | None = None,
     ):
         self.loaded = loaded
         self.params = (_settings.check_for_model(params, loaded) if params is not None
@@ -142,6 +64,8 @@ class Session:
         self.think = "on"
         self.set_think(think)
         self.messages: list[dict] = [dict(m) for m in (messages or [])]
+        self.kv = (kv or KVOptions()).validate(loaded.context_length)  # quantized / capped cache (kv_options)
+        make_cache(loaded.model, self.kv)  # refused now, not at the first message, when the model cannot take it
         self._cache: list | None = None
         self._cache_tokens: list[int] = []
 
@@ -177,6 +101,9 @@ class Session:
             except ValueError:
                 raise InvalidParameter(f"invalid context {value!r}: expected a whole number") from None
             return "context"
+        key = name.strip().lower().replace("-", "_")
+        if key in KV_SETTINGS:
+            return self._set_kv(key, value)
         field = _settings.field_for(name)
         if field is None:
             import difflib
@@ -190,9 +117,28 @@ class Session:
         self.params = _settings.check_for_model(replace(self.params, **{field: v}), self.loaded)
         return field
 
+    def _set_kv(self, key: str, value: Any) -> str:
+        from dataclasses import replace
+
+        from .kv_options import pick
+
+        if isinstance(value, str):
+            text = value.strip().lower()
+            try:
+                value = None if text in ("off", "none", "0") else int(text)
+            except ValueError:
+                raise InvalidParameter(f"invalid {key} {value!r}: expected a whole number or 'off'") from None
+        field = next(iter(pick({key: 0})))
+        opts = replace(self.kv, **{field: value}).validate(self.loaded.context_length)
+        make_cache(self.loaded.model, opts)
+        if opts != self.kv:
+            self.kv = opts
+            self.reset_cache()  # another kind of cache: the history is prefilled into a new one next turn
+        return key
+
     def settings(self) -> dict[str, Any]:
         return {**self.params.as_dict(), "context": self.context_limit, "think": self.think,
-                "system": self.system}
+                "system": self.system, **self.kv.as_dict()}
 
     # ----- rendering and the cache -----
     def template_messages(self, messages: list[dict] | None = None) -> list[dict[str, str]]:
@@ -206,16 +152,16 @@ class Session:
 
     def _reuse(self, tokens: list[int]) -> int:
         """Trim the cache to its common prefix with ``tokens`` (leaving at least one token to feed)."""
-        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+        from mlx_lm.models.cache import can_trim_prompt_cache
 
         if self._cache is None:
-            self._cache, self._cache_tokens = make_prompt_cache(self.loaded.model), []
+            self._cache, self._cache_tokens = make_cache(self.loaded.model, self.kv), []
         n = min(common_prefix(self._cache_tokens, tokens), max(len(tokens) - 1, 0))
         if n < len(self._cache_tokens):
             if can_trim_prompt_cache(self._cache) and self._trim_layers(n):
                 pass
-            else:  # e.g. a rotated sliding-window cache: start over
-                self._cache, n = make_prompt_cache(self.loaded.model), 0
+            else:  # e.g. a rotated sliding-window cache (or --max-kv-size past its size): start over
+                self._cache, n = make_cache(self.loaded.model, self.kv), 0
         self._cache_tokens = self._cache_tokens[:n]
         return n
 
@@ -224,6 +170,9 @@ class Session:
         offsets = [getattr(c, "offset", None) for c in self._cache]
         if any(not isinstance(o, int) for o in offsets):
             return False
+        if any(off > n and hasattr(c, "is_trimmable") and not c.is_trimmable()
+               for c, off in zip(self._cache, offsets)):
+            return False  # a rotating cache that has dropped tokens cannot go back
         for c, off in zip(self._cache, offsets):
             if off > n:
                 c.trim(off - n)
@@ -374,6 +323,7 @@ class Session:
         """Carry the conversation over to another model (its cache starts empty). Refuses, changing nothing, when
         a setting does not suit the new model (e.g. top_k above its vocabulary)."""
         _settings.check_for_model(self.params, loaded)
+        make_cache(loaded.model, self.kv.validate(loaded.context_length))
         self.loaded = loaded
         if self._context and self._context > loaded.context_length:
             self._context = None
@@ -384,7 +334,8 @@ class Session:
         return {
             "format": SESSION_FORMAT, "version": SESSION_VERSION, "model": self.loaded.name,
             "system": self.system, "think": self.think,
-            "settings": {**self.params.as_dict(), "context": self._context},
+            "settings": {**self.params.as_dict(), "context": self._context,
+                         **{k: v for k, v in self.kv.as_dict().items() if k in KV_SETTINGS}},
             "messages": [dict(m) for m in self.messages],
         }
 
@@ -406,9 +357,10 @@ class Session:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict, loaded: LoadedModel, params: SamplingParams | None = None) -> "Session":
-        """A session from saved data; ``params`` (e.g. saved settings with flags over them) replaces the saved
-        settings when given."""
+    def from_dict(cls, data: dict, loaded: LoadedModel, params: SamplingParams | None = None,
+                  kv: KVOptions | None = None) -> "Session":
+        """A session from saved data; ``params`` / ``kv`` (e.g. saved settings with flags over them) replace the
+        saved settings when given."""
         data = cls.check_dict(data)
         settings = dict(data.get("settings") or {})
         context = settings.pop("context", None)
@@ -417,8 +369,13 @@ class Session:
                 params = _settings.resolve(saved=settings, loaded=loaded)
             except InvalidParameter as e:
                 raise SessionError(f"the session's settings are invalid ({e})") from None
+        if kv is None:
+            try:
+                kv = _settings.resolve_kv(saved=settings, loaded=loaded)
+            except (InvalidParameter, TypeError) as e:
+                raise SessionError(f"the session's KV-cache settings are invalid ({e})") from None
         if not isinstance(context, int) or isinstance(context, bool) or not (
                 MIN_CONTEXT <= context <= loaded.context_length):
             context = None  # saved for a model with a longer context (or garbled): the model's own limit
         return cls(loaded, params, system=data.get("system"), context=context, think=data.get("think", "on"),
-                   messages=data["messages"])
+                   messages=data["messages"], kv=kv)

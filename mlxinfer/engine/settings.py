@@ -5,6 +5,8 @@ Precedence, lowest first: SamplingParams' built-in defaults < the model's regist
 saved session's or a request's values < command-line flags (or ``/set``). ``resolve`` applies it; then
 ``check_for_model`` checks what needs the model (top_k against the vocabulary, max_tokens and the context
 against the context length). The setting names users type are derived from ``SamplingParams``' fields.
+The KV-cache options (``--kv-bits``, ``--max-kv-size``: ``kv_options.KVOptions``) follow the same precedence
+(``resolve_kv``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ def resolve(registry_defaults: Mapping[str, Any] | None = None, saved: Mapping[s
         raise InvalidParameter(f"invalid sampling settings: {e}") from None
     params.validate()
     return check_for_model(params, loaded) if loaded is not None else params
+
+
+def resolve_kv(registry_defaults: Mapping[str, Any] | None = None, saved: Mapping[str, Any] | None = None,
+               flags: Mapping[str, Any] | None = None, loaded=None):
+    """KVOptions from registry defaults < saved session values < flags (kv_bits, max_kv_size; None = not given),
+    validated, against the model's context with ``loaded``."""
+    from .kv_options import resolve as _resolve
+
+    return _resolve(registry_defaults, saved, flags, context_length=context_length(loaded) if loaded else None)
 
 
 def vocab_size(loaded) -> int | None:

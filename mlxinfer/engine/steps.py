@@ -28,9 +28,11 @@ def token_steps(
     max_tokens: int = 256,
     prefill_step_size: int = 512,
     prompt_progress: Optional[Callable[[int, int], None]] = None,
+    after_call: Optional[Callable[[list], None]] = None,
 ) -> Iterator[int]:
     """Yield up to ``max_tokens`` (-1: no limit) token ids continuing ``prompt`` (at least one token), which
-    ``cache`` (an mlx-lm prompt cache) does not hold yet."""
+    ``cache`` (an mlx-lm prompt cache) does not hold yet. ``after_call(cache)`` runs after every model call (e.g.
+    ``kv_options.maybe_quantize``, which may replace layer caches in the list)."""
     import mlx.core as mx
 
     progress = prompt_progress or (lambda done, total: None)
@@ -42,6 +44,8 @@ def token_steps(
     while total - done > 1:  # all but the last prompt token, in chunks: (1, n) -> cache
         n = min(prefill_step_size, total - done - 1)
         model(rest[:n][None], cache=cache)
+        if after_call is not None:
+            after_call(cache)
         mx.eval([c.state for c in cache])
         done += n
         progress(done, total)
@@ -51,6 +55,8 @@ def token_steps(
     def step(tokens: mx.array, extend: bool) -> mx.array:
         nonlocal history
         logits = model(tokens[None], cache=cache)[:, -1, :]  # (1, vocab)
+        if after_call is not None:
+            after_call(cache)
         if logits_processors:
             if extend:
                 history = mx.concatenate([history, tokens])

@@ -25,7 +25,8 @@ from mlxinfer.kernels import fused_block, spec
 from mlxinfer.kernels.eligibility import (
     ATTENTION_LLAMA, ATTENTION_QWEN3, BLOCK_PRENORM, MLP_SWIGLU, has_role, role_of,
 )
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlxinfer.kernels.kv_cache import NativeBatchKVCache
 from mlxinfer.kernels.layers import (
     KernelRMSNorm, bind, builtin_class, caps_of, fused_kind, fused_subclass, linear_add, norm_kwargs, plain_quantized,
     plain_rope, provider_sdpa, rope_kwargs, routed_call,
@@ -94,8 +95,15 @@ def _attention_call(base: type) -> Callable:
                 keys, values = cache.update_and_fetch(keys, values)
             else:
                 keys, values, kv_len = appended  # whole buffers; the first kv_len positions are valid
-        # Attention straight into (B, L, n_heads, head_dim) saves the transpose copy before o_proj.
-        output = provider.sdpa(queries, keys, values, scale=self.scale, mask=mask, heads_last=True, kv_len=kv_len)
+        # Attention straight into (B, L, n_heads, head_dim) saves the transpose copy before o_proj. A left-padded
+        # batch's array mask is causal + each row's first key (start).
+        start = cache.attention_start(mask, L, kv_len) if isinstance(cache, NativeBatchKVCache) else None
+        if start is None:
+            output = provider.sdpa(queries, keys, values, scale=self.scale, mask=mask, heads_last=True,
+                                   kv_len=kv_len)
+        else:
+            output = provider.sdpa(queries, keys, values, scale=self.scale, mask="causal", heads_last=True,
+                                   kv_len=kv_len, start=start)
         if output is None:
             if kv_len >= 0:
                 keys, values = keys[..., :kv_len, :], values[..., :kv_len, :]
@@ -108,7 +116,10 @@ def _attention_call(base: type) -> Callable:
 
 def _append_kv(provider: KernelProvider, cache, keys, values):
     """mlx-lm's ``KVCache.update_and_fetch`` as one provider op (4 MLX ops otherwise) when the cache is an mlx-lm
-    ``KVCache`` whose buffers have room: (k_buf, v_buf, valid length), or None to let the cache do it."""
+    ``KVCache`` whose buffers have room, or a NativeBatchKVCache: (k_buf, v_buf, valid length), or None to let
+    the cache do it."""
+    if isinstance(cache, NativeBatchKVCache):
+        return cache.append(keys, values)
     if (not caps_of(provider).kv_append or not isinstance(cache, KVCache) or cache.keys is None
             or type(cache).update_and_fetch is not KVCache.update_and_fetch):  # a subclass with its own update
         return None
@@ -145,17 +156,35 @@ def swap_attention_inputs(model: nn.Module, provider: KernelProvider, caps: Capa
 def _block_call(base: type) -> Callable:
     def __call__(self, x, mask=None, cache=None):
         # The whole layer as one op when the block was prepared for it (fused_block.py), else: the norms run
-        # inside the next op, the skip connections inside o_proj / down_proj.
+        # inside the next op, the skip connections inside o_proj / down_proj. A left-padded batch (BatchKVCache)
+        # runs per op, its cache updated natively.
         if cache is not None:
-            y = fused_block.native_block(self, x, mask, cache)
-            if y is not None:
-                return y
+            batch = _batch_cache(self, cache)
+            if batch is not None:
+                cache = batch
+            else:
+                y = fused_block.native_block(self, x, mask, cache)
+                if y is not None:
+                    return y
         if not fused_parts(self):  # a block only the whole-layer op covers (e.g. Qwen3's q/k norms)
             return base.__call__(self, x, mask, cache)
         h = self.self_attn(x, mask, cache, residual=x, norm=self.input_layernorm)
         return self.mlp(h, residual=h, norm=self.post_attention_layernorm)
 
     return __call__
+
+
+def _batch_cache(block: nn.Module, cache):
+    """A plain mlx-lm ``BatchKVCache`` (or one already adopted) as a NativeBatchKVCache when the provider does
+    batched positions (per-row RoPE offsets, attention with a per-row start); None otherwise. Not for
+    sliding-window layers: their mask is not the plain causal + left-padding one."""
+    if (not isinstance(cache, BatchKVCache) or block.__dict__.get("use_sliding") or fused_block.window_of(block)
+            or getattr(block.get("self_attn"), "is_sliding", False)):  # gemma3's local layers
+        return None
+    provider = block.__dict__.get("_kernel_provider")
+    if provider is None or not caps_of(provider).batched:
+        return None
+    return NativeBatchKVCache.adopt(cache, provider)
 
 
 def fused_parts(m: nn.Module) -> bool:

@@ -1,6 +1,6 @@
 """The KV cache the one-op decoder layers write in place: mlx-lm's ``KVCache`` plus the ownership of its buffers.
 
-MLX arrays are values; ``decoder_block`` (``kernels.fused_block``) writes this step's keys and values into the
+MLX arrays are values; ``decoder_layer`` (``kernels.fused_block``) writes this step's keys and values into the
 two buffers it is given, at ``[offset, offset + L)``. :class:`InPlaceKVCache` says when that is safe:
 
 * only into buffers that ``kv_reserve`` allocated for this cache (fresh memory: never a view of another array,
@@ -14,6 +14,10 @@ two buffers it is given, at ``[offset, offset + L)``. :class:`InPlaceKVCache` sa
 Everything else is mlx-lm's ``KVCache`` (``update_and_fetch``, ``state``, ``trim``, ``offset``, merging into a
 ``BatchKVCache``), so code written for mlx-lm's prompt caches keeps working. Like it, the buffers grow in steps
 of ``step`` positions; they hold float16 unless ``MLXINFER_KV_DTYPE=float32`` (:func:`kv_dtype`).
+
+:class:`NativeBatchKVCache` is mlx-lm's left-padded ``BatchKVCache`` (batched decode: ``mlxinfer serve``,
+``bench -b``) whose update is the provider's ``kv_append`` at the shared index (buffers grown by ``kv_reserve``),
+so that a batched step runs RoPE, the KV update and attention natively (per-row offsets, ``left_padding``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import weakref
 from typing import Any, Callable, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from mlxinfer.errors import InvalidParameter
 
@@ -59,7 +63,7 @@ class InPlaceKVCache(KVCache):
         return None
 
     def writable(self, provider: Any, head_shape: Tuple[int, int, int], L: int) -> Optional[Tuple[mx.array, mx.array]]:
-        """(k_buf, v_buf) that ``decoder_block`` may write at ``offset`` (L positions), installed in the cache: its
+        """(k_buf, v_buf) that ``decoder_layer`` may write at ``offset`` (L positions), installed in the cache: its
         own buffers when they qualify, else fresh copies with room; None when the provider cannot make them."""
         keys, values, offset, owned = self.keys, self.values, self.offset, self._owned
         if (owned is not None and keys is not None and offset >= self._high_water and offset + L <= keys.shape[2]
@@ -80,7 +84,7 @@ class InPlaceKVCache(KVCache):
         return k, v
 
     def written(self, provider: Any, k: mx.array, v: mx.array, n: int) -> None:
-        """After ``decoder_block`` wrote n positions: hold its outputs (the same memory; evaluating them runs the
+        """After ``decoder_layer`` wrote n positions: hold its outputs (the same memory; evaluating them runs the
         op, as mlx-lm's ``mx.eval(cache.state)`` does) and move the offset and high-water mark."""
         self.keys, self.values = k, v
         self.offset += n
@@ -91,6 +95,67 @@ class InPlaceKVCache(KVCache):
         k, v = self.keys, self.values
         self._owned = (provider.array_handle(k), provider.array_handle(v), provider.array_id(k), provider.array_id(v))
         self._high_water = self.offset  # every write so far ended here (a fresh buffer starts with what it copied)
+
+
+class NativeBatchKVCache(BatchKVCache):
+    """mlx-lm's ``BatchKVCache`` whose update is one native op per buffer (``append``). Its buffers are MLX
+    values like mlx-lm's (``kv_append`` writes in place only when nothing else holds them), so ``merge``,
+    ``extend``, ``filter``, ``extract`` and ``state`` keep working unchanged."""
+
+    _provider: Any = None  # set by adopt(); a cache made by merge() (cls(...)) runs mlx-lm's update until then
+
+    @classmethod
+    def adopt(cls, cache: Any, provider: Any) -> Optional["NativeBatchKVCache"]:
+        """``cache`` (a plain mlx-lm ``BatchKVCache`` or one of ours) as a NativeBatchKVCache updated through
+        ``provider``; None for anything else."""
+        if type(cache) is BatchKVCache:
+            cache.__class__ = cls
+        elif not isinstance(cache, cls):
+            return None
+        cache._provider = provider
+        return cache
+
+    def append(self, keys: mx.array, values: mx.array) -> Optional[Tuple[mx.array, mx.array, int]]:
+        """Write keys/values (B, H, L, D) at the shared index ``_idx`` (every row's next position; rows are
+        left-padded) as ``update_and_fetch`` does: (k_buf, v_buf, valid length), the buffers whole, or None when
+        the provider declines (nothing changed then)."""
+        provider, prev, n = self._provider, self._idx, keys.shape[2]
+        if provider is None or self._right_padding is not None:
+            return None
+        k_buf, v_buf = self.keys, self.values
+        try:
+            if k_buf is None or prev + n > k_buf.shape[2]:  # grow (mlx-lm: zeros + concatenate) as one copy each
+                capacity = (prev + n + self.step - 1) // self.step * self.step
+                dtype = k_buf.dtype if k_buf is not None else kv_dtype()
+                keep = k_buf is not None and prev > 0
+                k_buf = provider.kv_reserve((*keys.shape[:2], capacity, keys.shape[3]), k_buf if keep else None,
+                                            valid=prev if keep else 0, dtype=dtype)
+                v_buf = provider.kv_reserve((*values.shape[:2], capacity, values.shape[3]),
+                                            v_buf if keep else None, valid=prev if keep else 0, dtype=dtype)
+        except (ValueError, TypeError):
+            return None
+        out = provider.kv_append(k_buf, v_buf, keys, values, prev)
+        if out is None:
+            return None
+        self.keys, self.values = out
+        self.offset = self.offset + n
+        self._idx = prev + n
+        return out[0], out[1], self._idx
+
+    def attention_start(self, mask: Any, L: int, S: int) -> Optional[mx.array]:
+        """``left_padding`` (each row's first real key) when ``mask`` is this cache's ``make_mask`` for L queries
+        over its S keys (then attention with it is causal + that start per row), else None."""
+        if (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4 and mask.shape[1] == 1
+                and mask.shape[2] == L and mask.shape[3] == S == self._idx and self._right_padding is None):
+            return self.left_padding
+        return None
+
+    def update_and_fetch(self, keys, values):
+        got = self.append(keys, values)
+        if got is None:
+            return super().update_and_fetch(keys, values)
+        k, v, n = got
+        return k[..., :n, :], v[..., :n, :]
 
 
 def cache_maker(model: Any, windowed: frozenset = frozenset()) -> Callable[[], list]:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxinfer.kernels.kv_cache import NativeBatchKVCache
 from mlxinfer.kernels.provider import Capabilities, KernelProvider
 
 SDPA_NAME = "scaled_dot_product_attention"
@@ -210,6 +211,9 @@ def sdpa_function(provider: KernelProvider, caps: Capabilities, original: Callab
                 out = provider.quantized_sdpa(
                     queries, keys, values, scale=scale, mask=mask, group_size=cache.group_size, bits=cache.bits
                 ) if caps.quantized_sdpa else None
+            elif isinstance(cache, NativeBatchKVCache) and caps.batched and (start := cache.attention_start(
+                    mask, queries.shape[2], keys.shape[2])) is not None:  # a left-padded batch: causal + start
+                out = provider.sdpa(queries, keys, values, scale=scale, mask="causal", start=start)
             else:
                 out = provider.sdpa(queries, keys, values, scale=scale, mask=mask)
             if out is not None:

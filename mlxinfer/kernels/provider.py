@@ -133,11 +133,26 @@ class DecoderBlockKernel(Protocol):
     def array_handle(self, a: mx.array) -> mx.array: ...
 
 
+@runtime_checkable
+class BatchedPositions(Protocol):
+    """Batched decode over mlx-lm's left-padded ``BatchKVCache`` (``kernels.kv_cache.NativeBatchKVCache``):
+    ``sdpa(..., start=s)`` (batch row b sees no key before s[b]), ``rope``/``qkv_rope`` taking an integer array
+    ``offset`` (one position per batch row), ``kv_append`` into float16 or float32 buffers at the shared index
+    and ``kv_reserve`` to grow them."""
+
+    def kv_append(self, k_buf: mx.array, v_buf: mx.array, k: mx.array, v: mx.array,
+                  offset: int) -> Optional[Tuple[mx.array, mx.array]]: ...
+
+    def kv_reserve(self, shape: Sequence[int], src: Optional[mx.array] = None, valid: int = 0,
+                   dtype: mx.Dtype = mx.float32) -> mx.array: ...
+
+
 # Keyword arguments a capability needs beyond its own methods' names (method -> keywords).
 _KEYWORDS = {
     FusedAttention: {"quantized_matmul": ("residual",), "sdpa": ("heads_last", "kv_len"),
                      "qkv_rope": ("norm_weight", "norm_eps"), "swiglu": ("norm_weight", "norm_eps")},
     DecoderBlockKernel: {"decoder_layer": ("offset", "causal", "plan")},
+    BatchedPositions: {"sdpa": ("start",)},
 }
 
 
@@ -153,6 +168,7 @@ class Capabilities:
     fused_attention: bool = False  # needs swiglu too: its blocks fold norms and skip connections into both
     kv_append: bool = False
     decoder_block: bool = False    # needs fused_attention: the blocks fall back to it per call
+    batched: bool = False          # BatchedPositions: a BatchKVCache step without built-in RoPE/KV/attention
 
 
 def capabilities(provider: Any) -> Capabilities:
@@ -168,7 +184,7 @@ def capabilities(provider: Any) -> Capabilities:
     return Capabilities(
         quantized_sdpa=has(QuantizedAttention), swiglu=swiglu, rms_norm=has(NormKernel), rope=has(RopeKernel),
         embedding=has(EmbeddingKernel), fused_attention=fused, kv_append=has(KVAppend),
-        decoder_block=fused and has(DecoderBlockKernel),
+        decoder_block=fused and has(DecoderBlockKernel), batched=has(BatchedPositions),
     )
 
 

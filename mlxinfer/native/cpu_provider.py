@@ -61,12 +61,16 @@ class NativeCpuProvider:
 
     def rope(self, x, dims: int, *, traditional: bool, base: Optional[float], scale: float, offset,
              freqs=None) -> Optional[mx.array]:
-        """Same as ``mx.fast.rope``; float32 x (..., L, D), an int offset, no custom freqs."""
-        if freqs is not None or base is None or not isinstance(offset, int):
+        """Same as ``mx.fast.rope``; float32 x (..., L, D), an int offset or one per batch row (an integer
+        array (B,), mlx-lm's ``BatchKVCache.offset``), no custom freqs."""
+        if freqs is not None or base is None:
+            return None
+        rows = offset if isinstance(offset, mx.array) else None
+        if rows is None and not isinstance(offset, int):
             return None
         try:
             return self._ext.rope(x, dims=dims, traditional=traditional, base=float(base), scale=float(scale),
-                                  offset=offset)
+                                  offset=0 if rows is not None else offset, offsets=rows)
         except _REJECTED:
             return None
 
@@ -85,30 +89,36 @@ class NativeCpuProvider:
                  rope_dims: int, traditional: bool, base: Optional[float], scale: float, offset, norm_weight=None,
                  norm_eps: float = 0.0, freqs=None):
         """The three projections, head split and RoPE as one op (11 MLX ops per decode step otherwise); ``freqs``
-        as ``mx.fast.rope``'s (then ``base`` is unused)."""
-        if (base is None and freqs is None) or not isinstance(offset, int) or any(t[2] is None for t in (q, k, v)):
+        as ``mx.fast.rope``'s (then ``base`` is unused); ``offset`` an int or one per batch row (an integer array
+        (B,): a left-padded ``BatchKVCache``)."""
+        rows = offset if isinstance(offset, mx.array) else None
+        if ((base is None and freqs is None) or (rows is None and not isinstance(offset, int))
+                or any(t[2] is None for t in (q, k, v))):
             return None
         try:
             # x (B, L, hidden) -> q (B, n_heads, L, head_dim), k and v (B, n_kv_heads, L, head_dim)
             return tuple(self._ext.qkv_rope(
                 x, list(q), list(k), list(v), group_size=group_size, bits=bits, n_heads=n_heads,
                 n_kv_heads=n_kv_heads, head_dim=head_dim, rope_dims=rope_dims, traditional=traditional,
-                base=float(base if base is not None else 0.0), scale=float(scale), offset=offset,
-                norm_weight=norm_weight, norm_eps=float(norm_eps), freqs=freqs,
+                base=float(base if base is not None else 0.0), scale=float(scale),
+                offset=0 if rows is not None else offset, norm_weight=norm_weight, norm_eps=float(norm_eps),
+                freqs=freqs, offsets=rows,
             ))
         except _REJECTED:
             return None
 
     def sdpa(self, q, k, v, *, scale: float, mask, heads_last: bool = False,
-             kv_len: int = -1) -> Optional[mx.array]:
+             kv_len: int = -1, start: Optional[mx.array] = None) -> Optional[mx.array]:
         """float32 attention with no mask or a causal one (array masks go to the built-in). q (B, n_heads, L, D),
         k/v (B, n_kv_heads, S, D) -> (B, n_heads, L, D), or (B, L, n_heads * D) with ``heads_last``; with
-        ``kv_len`` >= 0 only the first kv_len of the S keys count (k/v may be whole KV-cache buffers)."""
+        ``kv_len`` >= 0 only the first kv_len of the S keys count (k/v may be whole KV-cache buffers); with
+        ``start`` (B,) integer, batch row b sees no key before start[b] (a left-padded batch: with "causal" that
+        is ``BatchKVCache.make_mask``'s mask)."""
         if mask is not None and not (isinstance(mask, str) and mask == "causal"):
             return None
         try:
             return self._ext.sdpa(q, k, v, scale=float(scale), causal=mask is not None and q.shape[2] > 1,
-                                  heads_last=heads_last, kv_len=kv_len)
+                                  heads_last=heads_last, kv_len=kv_len, start=start)
         except _REJECTED:
             return None
 
@@ -149,8 +159,8 @@ class NativeCpuProvider:
 
     def kv_append(self, k_buf, v_buf, k, v, offset: int):
         """mlx-lm ``KVCache.update_and_fetch`` when the buffers have room: k/v (B, H, L, D) written at
-        ``offset`` of the (B, H, capacity, D) buffers in one op (in place when nothing else holds them).
-        Returns the new (k_buf, v_buf) or None."""
+        ``offset`` of the (B, H, capacity, D) buffers (float32 or float16) in one op (in place when nothing else
+        holds them). Returns the new (k_buf, v_buf) or None."""
         try:
             return tuple(self._ext.kv_append(k_buf, v_buf, k, v, offset=offset))
         except _REJECTED:

@@ -38,18 +38,20 @@ class ServeOptions:
     timeout: float | None = 600.0
     prefix_cache_bytes: int = 512 << 20
     prefill_chunk: int = 256
-    batch_from: int = 4
+    batch_from: int = 2
     allow_origins: list[str] = field(default_factory=list)  # CORS: web pages that may call the API from a browser
     flags: dict[str, Any] = field(default_factory=dict)  # sampling values from the command line (highest rank)
+    engine_class: type = Engine  # under mlx.launch: distributed.serve.LeaderEngine (broadcasts its decisions)
 
 
 class Api:
     def __init__(self, loaded, opts: ServeOptions):
         self.loaded, self.opts = loaded, opts
         self.metrics = Metrics()
-        self.engine = Engine(loaded, self.metrics, parallel=opts.parallel, queue_size=opts.queue_size,
-                             prefix_cache_bytes=opts.prefix_cache_bytes, prefill_chunk=opts.prefill_chunk,
-                             timeout=opts.timeout, batch_from=opts.batch_from)
+        self.engine = opts.engine_class(loaded, self.metrics, parallel=opts.parallel, queue_size=opts.queue_size,
+                                            prefix_cache_bytes=opts.prefix_cache_bytes,
+                                            prefill_chunk=opts.prefill_chunk, timeout=opts.timeout,
+                                            batch_from=opts.batch_from)
         spec = loaded.spec
         self.model_id = loaded.name
         self.names = {n for n in (loaded.name, spec.name, spec.alias, spec.repo) if n}

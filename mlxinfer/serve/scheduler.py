@@ -8,8 +8,10 @@ boundaries.
   ``KVCache`` (the native one-op-per-layer path; their steps are evaluated together); from ``batch_from`` on they
   share a left-padded ``BatchKVCache`` (mlx-lm's ``merge``/``extend``/``filter``/``extract``: one forward pass
   for all, the weights read once), and when the batch shrinks below it again the caches are extracted. Why the
-  threshold: the batched forward misses the one-op layers (they take one int offset and a causal mask), so it
-  only wins from about 4 sequences on (measured on SmolLM2, 2 cores: 2 seqs 46 vs 61 tok/s, 8 seqs 80 vs 62).
+  threshold: one sequence runs fastest as the one-op layers (one int offset); the batched forward runs per op
+  (RoPE, KV update and attention native with per-row positions, ``kernels.kv_cache.NativeBatchKVCache``) and
+  from 2 sequences on costs less than their single steps (SmolLM2, CPU time per step: 1 seq 20 ms, batched 2 /
+  4 / 8 28 / 40 / 73-87 ms; before the native batched path 2 seqs were slower batched).
 * Each sequence keeps its own sampler, logits processors, random state (a ``seed`` reproduces its output whatever
   else runs), stop strings, token budget and logprobs setting.
 * A cancelled (client gone) or timed-out request leaves the batch before the next step; a finished one leaves
@@ -34,7 +36,7 @@ from .sequence import Ticket, SeqState
 
 class Engine:
     def __init__(self, loaded, metrics, *, parallel: int = 8, queue_size: int = 32, prefix_cache_bytes: int = 0,
-                 prefill_chunk: int = 256, timeout: float | None = None, batch_from: int = 4):
+                 prefill_chunk: int = 256, timeout: float | None = None, batch_from: int = 2):
         self.loaded, self.model, self.metrics = loaded, loaded.model, metrics
         self.parallel, self.queue_size, self.prefill_chunk, self.timeout = parallel, queue_size, prefill_chunk, timeout
         self.batch_from = max(1, batch_from)

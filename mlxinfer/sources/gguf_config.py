@@ -17,11 +17,14 @@ ARCHS = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
+    "phi3": ("phi3", "Phi3ForCausalLM", False),
 }
 # Per-architecture GGUF block tensor names that differ from the llama mapping.
 BLOCK_NAMES = {
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
+    # Phi-3 / Phi-4-mini: fused q/k/v rows, and gate rows then up rows in one ffn_up (llama.cpp's SwiGLU split)
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight; Gemma's by 1 + w)
 NORM_SHIFT = {"gemma3": 1.0}
@@ -148,6 +151,8 @@ def llm_config(meta: dict, arch: str, has_output: bool) -> dict:
             "sliding_window_pattern": 6,
             "query_pre_attn_scalar": hidden / heads if config["num_hidden_layers"] == 62 else config["head_dim"],
         })
+    if arch == "phi3":
+        _phi3_config(meta, config)
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
         if not isinstance(scaling, str):
@@ -158,6 +163,33 @@ def llm_config(meta: dict, arch: str, has_output: bool) -> dict:
             config["rope_scaling"]["original_max_position_embeddings"] = meta_int(
                 meta, f"{arch}.rope.scaling.original_context_length", lo=1, hi=1 << 28)
     return config
+
+
+def _phi3_config(meta: dict, config: dict) -> None:
+    """Partial rotary embedding (``rope.dimension_count`` of each head, 96 of 128 on Phi-4-mini); mlx-lm's phi3
+    takes the head size as hidden / heads, so the file must agree."""
+    hidden, heads, head_dim = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
+    if head_dim * heads != hidden:
+        raise InvalidModel(f"GGUF metadata 'phi3.attention.key_length' {head_dim} is not 'phi3.embedding_length' "
+                           f"{hidden} / 'phi3.attention.head_count' {heads}", hint="the file is corrupt")
+    rot = meta_int(meta, "phi3.rope.dimension_count", head_dim, 2, head_dim)
+    if rot % 2:
+        raise InvalidModel(f"GGUF metadata 'phi3.rope.dimension_count' is {rot}; RoPE needs an even size",
+                           hint="the file is corrupt")
+    config["partial_rotary_factor"] = rot / head_dim
+    config["original_max_position_embeddings"] = meta_int(
+        meta, "phi3.rope.scaling.original_context_length", config["max_position_embeddings"], 1, 1 << 28)
+
+
+def phi3_longrope(long: np.ndarray, short: np.ndarray, config: dict) -> dict:
+    """LongRoPE factors (``rope_factors_long``/``_short`` tensors, one per rotated frequency) -> rope_scaling.
+    mlx-lm applies the long factors at every length (llama.cpp picks the short ones up to the original context)."""
+    want = round(config["head_dim"] * config.get("partial_rotary_factor", 1.0)) // 2
+    for name, arr in (("rope_factors_long", long), ("rope_factors_short", short)):
+        if arr.shape != (want,) or not np.all(np.isfinite(arr)) or not np.all(arr > 0):
+            raise InvalidModel(f"tensor '{name}.weight' is not {want} positive factors (half the rotary size)",
+                               hint="the file is corrupt")
+    return {"type": "longrope", "long_factor": [float(v) for v in long], "short_factor": [float(v) for v in short]}
 
 
 def llama3_rope_scaling(factors: np.ndarray, base: float, head_dim: int) -> dict:

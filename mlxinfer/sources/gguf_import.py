@@ -4,7 +4,7 @@
   float16 rounding of their per-32 scales (``gguf_quants``).
 - Other K-quants, IQ and block types are dequantized by the ``gguf`` package and re-quantized with
   ``mx.quantize`` (group size 32) at the closest MLX bit width; F32/F16/BF16 matrices are kept as they are.
-- Architectures: llama (and mistral), qwen2, qwen3, gemma3 (``gguf_config.ARCHS``). llama.cpp permutes the rows
+- Architectures: llama (and mistral), qwen2, qwen3, gemma3, phi3 (``gguf_config.ARCHS``). llama.cpp permutes the rows
   of llama-family Q/K projections for its interleaved RoPE; we undo that so the result has the Hugging Face
   layout and runs with mlx-lm's default (non-traditional) RoPE. Gemma's norms are stored as 1 + w: shifted back.
 - The tokenizer is rebuilt from the metadata (``gguf_tokenizer``); ``general.*`` lands in config.json's
@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import InvalidModel
 from ..fsutil import AtomicDir, atomic_write_text, sweep_stale, write_failure
 from .gguf_config import (ARCHS, NORM_SHIFT, generation_config, header_info, hf_name, llama3_rope_scaling,
-                          llm_config)
+                          llm_config, phi3_longrope)
 from .gguf_checks import check_layers, check_shapes
 from .gguf_file import GgufTensor, read_gguf
 from .gguf_quants import REPACK_BITS, repack
@@ -203,6 +203,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
     check_layers(path, arch, g.tensors, config["num_hidden_layers"])
 
     present: dict[str, tuple[str, list[int]]] = {}
+    rope_factors: dict[str, GgufTensor] = {}
     for t in g.tensors:
         hf = hf_name(t.name, arch)
         if hf is None:
@@ -214,10 +215,22 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
                 config["rope_scaling"] = llama3_rope_scaling(
                     t.data.view(np.float32), config["rope_theta"], config["head_dim"])
                 continue
+            if arch == "phi3" and t.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+                rope_factors[t.name.split(".")[0]] = t
+                continue
             raise InvalidModel(f"{path.name}: unknown tensor '{t.name}' for architecture '{arch}'")
         if hf in present:
             raise InvalidModel(f"{path.name}: tensor '{t.name}' appears twice", hint="the file is corrupt")
         present[hf] = (t.name, t.shape)
+    if rope_factors:
+        if len(rope_factors) != 2 or any(t.kind != "F32" for t in rope_factors.values()):
+            raise InvalidModel(f"{path.name}: LongRoPE needs both 'rope_factors_long' and 'rope_factors_short' as F32",
+                               hint="the file is corrupt")
+        try:
+            config["rope_scaling"] = phi3_longrope(*(rope_factors[k].data.view(np.float32) for k in
+                                                     ("rope_factors_long", "rope_factors_short")), config)
+        except InvalidModel as e:
+            raise InvalidModel(f"{path.name}: {e.args[0]}", hint=e.hint) from None
     check_shapes(path, arch, config, present)  # every tensor against the metadata, before any byte is written
 
     jobs = []  # (tensor, prefix, suffix, row permutation or None, norm shift)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..engine import store
-from ..engine.session import SETTING_NAMES, THINK_MODES, Session
+from ..engine.session import KV_SETTINGS, SETTING_NAMES, THINK_MODES, Session
 from ..errors import InvalidParameter
 
 _COMMAND_RE = re.compile(r"^/[A-Za-z?]+(\s|$)")
@@ -62,7 +62,14 @@ def _set(app, arg):
         app.view.info("usage: /set NAME VALUE, e.g. /set temp 0.7 (names: " + ", ".join(SETTING_NAMES) + ")")
         return
     name, value = parts[0].lower(), parts[1].strip()
+    kv_before = app.session.kv
     field = app.session.set(name, value)  # validated against the model; unknown names get a suggestion
+    if field in KV_SETTINGS:
+        again = app.session.kv != kv_before and app.session.messages
+        value = app.session.kv.as_dict()[field]
+        app.view.info(f"set {field} = {value or 'off'}; KV cache: {kv_cache_line(app.session)}"
+                      + (" (the conversation is prefilled again on the next message)" if again else ""))
+        return
     shown = app.session.context_limit if field == "context" else getattr(app.session.params, field)
     app.view.info(f"set {field} = {shown}")
 
@@ -74,7 +81,17 @@ def _settings_rows(s: Session) -> list[tuple[str, str]]:
         return f"{value:g}" if isinstance(value, float) else str(value)
 
     rows = [(name, shown(value)) for name, value in s.params.as_dict().items()]
-    return rows + [("context", str(s.context_limit)), ("think", s.think)]
+    kv = [(name, "off" if value is None else str(value)) for name, value in s.kv.as_dict().items()
+          if name in KV_SETTINGS]
+    return rows + [("context", str(s.context_limit)), ("think", s.think)] + kv
+
+
+def kv_cache_line(s: Session) -> str:
+    """The KV cache as /show and the chat header say it, with what the custom kernels do about it."""
+    from ..engine.kv_options import kernel_note
+
+    note = kernel_note(s.loaded.model, s.kv)
+    return note[len("KV cache "):] if note else s.kv.describe()
 
 
 def _show_settings(app):
@@ -87,6 +104,7 @@ def _show(app, arg):
         ("name", m.name), ("source", m.spec.source_label()), ("architecture", m.model_type),
         ("parameters", m.spec.params or f"{m.num_parameters() / 1e6:,.0f}M"), ("quantization", m.quantization),
         ("backend", f"{m.backend} ({m.dtype})"), ("kernels", m.kernels), ("context limit", str(m.context_length)),
+        ("KV cache", kv_cache_line(s)),
     ], title="Model")
     _show_settings(app)
     used = s.context_used

@@ -42,6 +42,21 @@ def strip_block(text: str) -> str:
     return s.strip("\n")
 
 
+def next_entry(keys: str) -> tuple[str, bool, str]:
+    """Split keys typed ahead (``_KeyWatch.typed_ahead``: "\\r" = Enter, "\\n" = a newline in the message) into
+    (the next prompt's text, whether an Enter already sent it, the keys after that Enter). An Enter inside an
+    open \"\"\" block adds a line, as it does at the prompt; an Enter on an empty line sends nothing."""
+    text = ""
+    for i, ch in enumerate(keys):
+        if ch == "\r" and not open_block(text):
+            if text.strip():
+                return text, True, keys[i + 1:]
+            text = ""
+        else:
+            text += "\n" if ch == "\r" else ch
+    return text, False, ""
+
+
 class LineReader:
     """Plain mode: one message per line; a line starting with \"\"\" opens a block closed by a line ending \"\"\"."""
 
@@ -49,7 +64,7 @@ class LineReader:
         self.stream = stream or sys.stdin
         self.prompt_to = prompt_to  # a stream to write a short prompt to (a terminal in --plain), or None
 
-    def read(self, default: str = "") -> str:
+    def read(self, default: str = "", accept: bool = False) -> str:
         if self.prompt_to:
             self.prompt_to.write(PROMPT)
             self.prompt_to.flush()
@@ -134,10 +149,13 @@ class PromptReader:
             placeholder=FormattedText([("fg:ansibrightblack", "Send a message (/help for commands)")]),
         )
 
-    def read(self, default: str = "") -> str:
+    def read(self, default: str = "", accept: bool = False) -> str:
+        """The next message; ``default`` starts it (keys typed while a reply streamed) and ``accept`` sends it as
+        it is shown (their Enter was pressed too): it still lands in the scrollback and the history."""
         from prompt_toolkit.formatted_text import FormattedText
 
-        text = self.session.prompt(FormattedText([("bold fg:ansimagenta", PROMPT)]), default=default)
+        text = self.session.prompt(FormattedText([("bold fg:ansimagenta", PROMPT)]), default=default,
+                                   accept_default=accept)
         return strip_block(text)
 
     def close(self) -> None:

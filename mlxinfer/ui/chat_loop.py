@@ -18,6 +18,7 @@ from typing import Callable
 
 from ..engine.session import Session, Turn
 from ..errors import MlxinferError, Terminated
+from .chat_input import next_entry
 from .chat_view import PlainView, RichView
 
 
@@ -84,7 +85,7 @@ class ChatApp:
         self.lock = lock                   # store.SessionLock of session_name: no other process writes it
         self.registry = registry
         self._load_model = load_model
-        self.typed_ahead = ""              # keys typed while the last reply streamed: the next prompt's text
+        self.typed_ahead = ""              # keys typed while the last reply streamed (Enter included), not read yet
         self.world = None                  # under mlx.launch (mlxinfer.distributed.World): rank 0 leads, others follow
 
     # ----- models -----
@@ -150,7 +151,7 @@ class ChatApp:
         finally:
             it.close()
             reply.finish(interrupted=turn.interrupted)
-            self.typed_ahead = reply.typed_ahead()
+            self.typed_ahead += reply.typed_ahead()  # after what is still pending from before this turn
         if terminated is not None:
             raise terminated  # run() saves the session on the way out
         if failure is not None:
@@ -264,8 +265,8 @@ class ChatApp:
     def _loop(self, dispatch, is_command) -> None:
         while True:
             try:
-                text = self.reader.read(self.typed_ahead) if self.typed_ahead else self.reader.read()
-                self.typed_ahead = ""
+                ahead, sent, self.typed_ahead = next_entry(self.typed_ahead)
+                text = self.reader.read(ahead, sent) if ahead else self.reader.read()
             except EOFError:
                 break
             except Terminated:

@@ -115,13 +115,21 @@ class _KeyWatch:
         return b"\x03" in data
 
     def typed_ahead(self) -> str:
-        """What was typed meanwhile, as the next prompt's starting text (one line; keys like arrows dropped)."""
-        text = re.sub(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|O.|.)", "", self.typed.decode("utf-8", "ignore"))
+        """What was typed meanwhile, whole: "\\r" for each Enter, "\\n" for Esc-Enter / Alt-Enter (a newline in the
+        message), Backspace applied, other keys (arrows, function keys) dropped. ``chat_input.next_entry`` splits
+        it into what the next prompt shows and whether its Enter was already pressed."""
+        raw = self.typed.decode("utf-8", "ignore")
+        raw = re.sub(r"\x1b[\r\n]", "\x00", raw)  # Esc-Enter, before the escape sequences go
+        raw = re.sub(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|O.|[^\r\n])", "", raw)
         out: list[str] = []
-        for ch in re.split(r"[\r\n]", text)[0]:
+        for ch in raw:
             if ch in "\x7f\b":
-                if out:
+                if out and out[-1] != "\r":  # Backspace edits the line being typed, not one already sent
                     out.pop()
+            elif ch in "\r\n":  # Enter (the terminal may turn CR into NL in this mode)
+                out.append("\r")
+            elif ch == "\x00":
+                out.append("\n")
             elif ch.isprintable():
                 out.append(ch)
         return "".join(out)
@@ -241,6 +249,10 @@ def header_rows(loaded, session) -> list[tuple[str, str]]:
         ("backend", f"{backend}, {loaded.dtype}"),
         ("kernels", kernels),
     ]
+    if session.kv.active:
+        from .chat_commands import kv_cache_line
+
+        rows.append(("KV cache", kv_cache_line(session)))
     if session.system:
         rows.append(("system", session.system if len(session.system) <= 60 else session.system[:57] + "..."))
     return rows

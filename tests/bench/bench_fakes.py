@@ -7,14 +7,14 @@ from mlxinfer.bench.measure import Sample
 from mlxinfer.bench.workload import Case, PromptSource
 
 HARDWARE = {"chip": "Test CPU", "cpu": "Test CPU", "gpu": None, "cpu_cores": 2, "memory_bytes": 8 << 30,
-            "bandwidth_gbps": 10.0, "bandwidth_source": "given with --bandwidth"}
+            "bandwidth_gbps": 10.0, "bandwidth_source": "given with --bandwidth", "bandwidth_method": "given"}
 SYSTEM = {"system": "Linux", "release": "6", "machine": "x86_64", "platform": "Linux-6-x86_64", "python": "3.11"}
 
 
-def engine(name: str = "mlxinfer") -> dict:
+def engine(name: str = "mlxinfer", threads: int | None = None) -> dict:
     return {"name": name, "version": "0.1.0", "git_commit": "abc1234def", "git_dirty": False, "mlx": "0.32.4",
             "mlx_lm": "0.32.2", "backend": "cpu", "kernels": "builtin", "kernels_detail": "MLX built-in kernels",
-            "kernels_requested": "auto"}
+            "kernels_requested": "auto", "threads": threads}
 
 
 def model(name: str = "tiny") -> dict:
@@ -33,11 +33,11 @@ def stream_sample(ttft: float, gaps: list[float], prompt: int, batch: int = 1) -
 
 
 def make_record(case: Case, samples: list, engine_name: str = "mlxinfer", model_name: str = "tiny",
-                weights: int = 1 << 20) -> dict:
+                weights: int = 1 << 20, threads: int | None = None, hardware: dict | None = None) -> dict:
     opts = runner.BenchOptions(repetitions=len(samples), warmup=1)
     if case.kind == "prefix":
         results = runner._prefix_results(samples)
     else:
-        results = runner._decode_results(case, samples, weights, HARDWARE)
-    return runner._record(case, engine(engine_name), model(model_name), HARDWARE, SYSTEM,
+        results = runner._decode_results(case, samples, weights, hardware or HARDWARE)
+    return runner._record(case, engine(engine_name, threads), model(model_name), hardware or HARDWARE, SYSTEM,
                           PromptSource(100, 0), opts, results)

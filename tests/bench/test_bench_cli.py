@@ -38,6 +38,13 @@ def no_loading(monkeypatch):
     (["--compare", "/nonexistent-dir/base.json"], "cannot read baseline"),
     (["--prompt-file", "/nonexistent-dir/p.txt"], "prompt file /nonexistent-dir/p.txt does not exist"),
     (["-d", "9000", "-p", "16", "-n", "8"], "pp16+tg8 @ d9000 needs 9024 tokens of context but smollm2 holds 8192"),
+    (["-t", "0"], "invalid thread count 0"),
+    (["-t", "1,2", "--kernels", "builtin"], "-t sets the worker threads of the native CPU kernels, which do not run"),
+    (["--llama-bench", "-b", "2"], "--llama-bench runs ppP and tgN tests only"),
+    (["--llama-bench", "-p", "0", "-n", "0"], "nothing to run"),
+    (["--kv-bits", "3"], "invalid --kv-bits 3: use 4 or 8"),
+    (["--max-kv-size", "9000"], "invalid --max-kv-size 9000: must be between 32 and 8192"),
+    (["--kv-bits", "8", "-b", "2"], "--kv-bits / --max-kv-size apply to single-stream tests"),
 ])
 def test_bad_input_is_one_clear_error_before_any_run(args, needle, capsys, no_loading, smollm2_dir):
     assert main(["bench", *args]) == 2
@@ -110,20 +117,35 @@ def test_sweep_with_batches_prefix_and_mlx_lm_peer(tmp_path, capsys, smollm2_dir
     assert {r["model.dtype"] for r in rows if r["engine.name"] == "mlx-lm"} == {majority}
 
 
-def test_microbench_wraps_the_kernel_micro_benchmark(monkeypatch, capsys):
+def test_microbench_subcommand_wraps_the_kernel_micro_benchmark(monkeypatch, capsys):
     import mlxinfer.kernels.microbench as mb
 
     monkeypatch.setattr(mb, "MODELS", {"tiny": (128, 256, 2, 1, 64)})  # small shapes: seconds, not minutes
-    assert main(["bench", "--microbench", "tiny", "-b", "1,2", "-d", "32", "-r", "1", "--bandwidth", "50",
-                 "-o", "json"]) == 0
-    records = json.loads(capsys.readouterr().out)
+    assert main(["microbench", "tiny", "--rows", "1,2", "--context", "32", "-r", "1", "-o", "json"]) == 0
+    out = capsys.readouterr()
+    records = json.loads(out.out)
+    assert "deprecated" not in out.err
     kernels = [r["kernel"]["kernel"] for r in records]
     assert kernels == ["qmv"] * 4 + ["swiglu"] + ["qmv"] * 4 + ["swiglu", "sdpa", "sdpa-q8"]
     for r in records:
         assert r["engine"]["name"] == "mlxinfer" and r["engine"]["mlx"] and r["engine"]["kernels"]
         assert r["hardware"]["cpu_cores"] >= 1 and r["os"]["platform"] and r["kernel"]["builtin_us"] > 0
         assert r["kernel"]["shape"].startswith("tiny: ") and r["kernel"]["repeat"] == 1
-    assert main(["bench", "--microbench", "llama-9b"]) == 2
+    assert main(["microbench", "llama-9b"]) == 2
     assert "unknown micro-benchmark shape set 'llama-9b'" in capsys.readouterr().err
+    assert main(["microbench", "--rows", "5000"]) == 2
+    assert "invalid rows (--rows) 5000 for microbench: must be at most 4,096" in capsys.readouterr().err
+
+
+def test_bench_microbench_is_a_deprecated_alias(monkeypatch, capsys):
+    import mlxinfer.kernels.microbench as mb
+
+    monkeypatch.setattr(mb, "MODELS", {"tiny": (128, 256, 2, 1, 64)})
+    assert main(["bench", "--microbench", "tiny", "-b", "1", "-d", "32", "-r", "1", "-o", "json"]) == 0
+    out = capsys.readouterr()
+    assert [r["kernel"]["kernel"] for r in json.loads(out.out)] == ["qmv"] * 4 + ["swiglu", "sdpa", "sdpa-q8"]
+    assert out.err.strip().splitlines() == [
+        "warning: `bench --microbench` is deprecated: use `mlxinfer microbench` (-b is --rows there, -d is --context)"]
     assert main(["bench", "--microbench", "--compare", "x.json"]) == 2
-    assert "--compare does not apply to --microbench" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--compare does not apply to --microbench" in err and "deprecated" not in err

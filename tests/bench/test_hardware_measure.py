@@ -28,20 +28,105 @@ def test_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setitem(hardware._PROBES, "cpu", (lambda: calls.append(1) or 12.5, "fake"))
     monkeypatch.setitem(hardware._PROBES, "gpu", (lambda: calls.append(2) or 900.0, "fake gpu"))
-    first = hardware.measured_bandwidth("cpu X", 4, 8 << 30)
-    second = hardware.measured_bandwidth("cpu X", 4, 8 << 30)
-    assert first[0] == second[0] == 12.5 and len(calls) == 1
+    first = hardware.measured_bandwidth("cpu X", 4, 8 << 30, load=0.1)
+    second = hardware.measured_bandwidth("cpu X", 4, 8 << 30, load=0.1)
+    assert first[0] == second[0] == 12.5 and len(calls) == 1 and first[2] and second[2]
     assert "cached" in second[1] and "cached" not in first[1]
     saved = json.loads((tmp_path / "bench" / "bandwidth.json").read_text())
-    assert list(saved.values())[0]["gbps"] == 12.5
-    hardware.measured_bandwidth("cpu Y", 4, 8 << 30)  # another machine: probed again
+    assert list(saved.values())[0]["gbps"] == 12.5 and list(saved.values())[0]["load_avg_1m"] == 0.1
+    hardware.measured_bandwidth("cpu Y", 4, 8 << 30, load=0.1)  # another machine: probed again
     assert len(calls) == 2
-    assert hardware.measured_bandwidth("cpu X", 4, 8 << 30, device="gpu")[0] == 900.0  # the GPU: its own entry
+    assert hardware.measured_bandwidth("cpu X", 4, 8 << 30, device="gpu", load=0.1)[0] == 900.0  # its own entry
     assert calls == [1, 1, 2]
 
 
+def _fake_probe(monkeypatch, tmp_path, values: list[float]):
+    monkeypatch.setenv("MLXINFER_CACHE", str(tmp_path))
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return values[len(calls) - 1]
+
+    monkeypatch.setitem(hardware._PROBES, "cpu", (probe, "fake read on {cores} threads"))
+    return calls
+
+
+def test_a_probe_on_a_loaded_machine_is_used_once_and_never_cached(tmp_path, monkeypatch):
+    calls = _fake_probe(monkeypatch, tmp_path, [5.2, 6.0, 30.0])
+    gbps, source, cached = hardware.measured_bandwidth("cpu X", 2, 8 << 30, load=4.0)  # 2 cores, load 4: busy
+    assert (gbps, cached) == (5.2, False) and "not cached: the machine was loaded (load average 4.0" in source
+    assert not (tmp_path / "bench" / "bandwidth.json").exists()
+    assert hardware.measured_bandwidth("cpu X", 2, 8 << 30, load=4.0)[0] == 6.0  # probed again, still not kept
+    assert hardware.measured_bandwidth("cpu X", 2, 8 << 30, load=0.3)[0] == 30.0  # quiet: measured and cached
+    assert hardware.measured_bandwidth("cpu X", 2, 8 << 30, load=4.0)[:2] == (
+        30.0, "measured probe, cached " + json.loads((tmp_path / "bench" / "bandwidth.json").read_text())
+        [hardware.machine_key("cpu X", 2, 8 << 30)]["when"] + " (fake read on 2 threads)")
+    assert len(calls) == 3
+    assert hardware.machine_loaded(1.4, 2) is False and hardware.machine_loaded(1.6, 2) is True
+    assert hardware.machine_loaded(None, 2) is False
+
+
+def test_an_old_copy_probe_cache_is_ignored(tmp_path, monkeypatch):
+    """Version 2 entries came from a single copy probe, cached even under load (5.2 GB/s on a 30 GB/s machine)."""
+    calls = _fake_probe(monkeypatch, tmp_path, [30.0])
+    (tmp_path / "bench").mkdir()
+    old_key = hardware.machine_key("cpu X", 2, 8 << 30).replace(f"v{hardware.PROBE_VERSION}", "v2")
+    (tmp_path / "bench" / "bandwidth.json").write_text(json.dumps({old_key: {"gbps": 5.2, "when": "x", "method": "c"}}))
+    assert hardware.measured_bandwidth("cpu X", 2, 8 << 30, load=0.0)[0] == 30.0 and calls == [1]
+
+
+def test_a_cached_peak_below_what_a_run_read_is_measured_again(tmp_path, monkeypatch):
+    calls = _fake_probe(monkeypatch, tmp_path, [5.2, 31.0, 99.0])
+    monkeypatch.setattr(hardware, "load_average", lambda: 0.2)
+    monkeypatch.setattr(hardware, "cpu_label", lambda: "cpu X")
+    monkeypatch.setattr(hardware, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(hardware, "memory_bytes", lambda: 8 << 30)
+    hw = hardware.hardware_info()
+    assert hw["bandwidth_gbps"] == 5.2 and hw["bandwidth_method"] == "probe"
+    assert not hardware.remeasure_if_exceeded(hw, 4.0)  # below the peak: plausible, nothing probed
+    assert hardware.remeasure_if_exceeded(hw, 16.0)      # a run read 16 GB/s > 5.2: implausible peak
+    assert hw["bandwidth_gbps"] == 31.0 and "re-measured because a run read 16.0 GB/s, above the earlier 5.2" \
+        in hw["bandwidth_source"]
+    assert not hardware.remeasure_if_exceeded(hw, 40.0)  # once per run; the report flags what is still above
+    assert len(calls) == 2
+    again = hardware.hardware_info()  # the quiet re-measurement replaced the cached value
+    assert again["bandwidth_gbps"] == 31.0 and len(calls) == 2
+    given = hardware.hardware_info(bandwidth_gbps=10.0)  # a peak the user gave is never second-guessed
+    assert not hardware.remeasure_if_exceeded(given, 40.0) and given["bandwidth_gbps"] == 10.0
+
+
+def test_run_records_are_rescored_after_a_re_measurement(monkeypatch):
+    """The runner re-measures once a record exceeds a probed peak and computes its share against the new one."""
+    from bench_fakes import HARDWARE, stream_sample
+
+    from mlxinfer.bench import runner
+    from mlxinfer.bench.workload import Case
+
+    hw = {**HARDWARE, "bandwidth_gbps": 1e-6, "bandwidth_method": "probe"}
+
+    def fake_remeasure(h, achieved):
+        h.update(bandwidth_gbps=achieved * 2, bandwidth_method="probe (re-measured)")
+        return True
+
+    monkeypatch.setattr(runner, "remeasure_if_exceeded", fake_remeasure)
+    emitted = []
+    case = Case("generate", 4, 5)
+    monkeypatch.setattr(runner, "_measure", lambda *a, **k: stream_sample(0.5, [0.1] * 4, 4))
+    monkeypatch.setattr(runner.measure, "weights_read_per_token", lambda model, config: 1 << 20)
+    opts = runner.BenchOptions(repetitions=1, warmup=0)
+    from mlxinfer.bench.workload import PromptSource
+
+    runner._run_engine([case], model=None, config={}, timed=None, engine={"name": "mlxinfer"},
+                       model_info={"name": "tiny"}, hardware=hw, system={}, source=PromptSource(10), opts=opts,
+                       ticker=lambda *a: None, emit=emitted.append)
+    res = emitted[0]["results"]
+    assert res["bandwidth_share"] == pytest.approx(0.5) and res["bandwidth_note"] is None
+    assert emitted[0]["hardware"]["bandwidth_method"] == "probe (re-measured)"
+
+
 def test_real_probes_and_machine_info():
-    assert hardware.probe_copy_bandwidth(size_mb=8, repeats=1) > 0
+    assert hardware.probe_read_bandwidth(size_mb=8, repeats=1, threads=2) > 0
     assert hardware.probe_device_bandwidth(size_mb=8, repeats=1) > 0  # MLX's default device (the CPU here)
     info = hardware.hardware_info(bandwidth_gbps=100.0)
     assert info["bandwidth_gbps"] == 100.0 and info["bandwidth_source"] == "given with --bandwidth"

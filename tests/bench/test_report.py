@@ -31,8 +31,8 @@ def test_json_and_jsonl_round_trip_with_provenance(records):
         assert_provenance(r)
 
 
-def test_csv_has_one_row_per_record_and_every_provenance_column(records):
-    rows = list(csv.DictReader(io.StringIO(report.render(records, "csv"))))
+def test_csv_all_has_one_row_per_record_and_every_provenance_column(records):
+    rows = list(csv.DictReader(io.StringIO(report.render(records, "csv", csv_all=True))))
     assert len(rows) == len(records)
     for section, names in PROVENANCE.items():
         for name in names:
@@ -109,7 +109,7 @@ def test_peer_rows_pair_engines_on_the_same_test(records):
 def test_markdown_has_provenance_table_peer_section_and_chart(records):
     md = report.render(records, "md", baseline=records)
     assert "Test CPU, 2 cores" in md and "abc1234def" in md and "4-bit affine, group 32" in md
-    assert "| tiny | mlxinfer | pp16+tg5 |" in md
+    assert "| tiny | mlxinfer | - | pp16+tg5 |" in md
     assert "mlxinfer vs mlx-lm" in md and "against the baseline" in md
     assert "decode tok/s vs depth: tiny, mlxinfer, pp16+tg5" in md
 
@@ -157,8 +157,75 @@ def test_output_target_checks_before_running(tmp_path):
             report.output_target(str(locked / "r.json"))
 
 
-def test_write_atomic_leaves_no_temp_files(tmp_path):
-    target = tmp_path / "out.md"
-    report.write_atomic(target, "hello\n")
-    report.write_atomic(target, "again\n")
-    assert target.read_text() == "again\n" and [p.name for p in tmp_path.iterdir()] == ["out.md"]
+def test_default_csv_is_the_curated_column_set(records):
+    text = report.render(records, "csv")
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert len(rows) == len(records)
+    columns = list(rows[0])
+    # The curated columns in their order (those the records have), no raw samples, far fewer than --csv-all.
+    assert columns == [c for c in report.CSV_COLUMNS if c in columns]
+    assert {"model.name", "model.params", "model.weight_bytes", "engine.backend", "engine.threads", "test",
+            "results.prefill_tps.mean", "results.decode_tps.mean", "results.ttft_warm_s.mean"} <= set(columns)
+    assert not [c for c in columns if ".samples." in c]
+    everything = list(csv.DictReader(io.StringIO(report.render(records, "csv", csv_all=True))))[0]
+    assert len(columns) <= 45 < len(everything)
+
+
+def _llama_records(share_peak: float = 10.0):
+    from bench_fakes import HARDWARE, make_record, stream_sample
+
+    from mlxinfer.bench.workload import expand_cases
+
+    hw = {**HARDWARE, "bandwidth_gbps": share_peak}
+    out = []
+    for threads in (1, 2):
+        for case in expand_cases([16], [5], split=True):
+            gaps = [0.1 / threads] * (case.gen - 1)
+            out.append(make_record(case, [stream_sample(0.5, gaps, case.prompt)] * 2, threads=threads, hardware=hw))
+    return out
+
+
+def test_llama_bench_rows_separate_pp_and_tg_with_a_threads_column():
+    recs = _llama_records()
+    assert [(r["test"], r["workload"]["kind"], r["engine"]["threads"]) for r in recs] == [
+        ("pp16", "pp", 1), ("tg5", "tg", 1), ("pp16", "pp", 2), ("tg5", "tg", 2)]
+    md = report.render(recs, "md", llama=True)
+    assert "| model | size | params | backend | threads | test | t/s |" in md
+    lines = [line for line in md.splitlines() if line.startswith("| tiny |")]
+    assert lines[0] == "| tiny | 1.00 MiB | 1.00 M | cpu (builtin) | 1 | pp16 | 32.00 ± 0.00 |"  # 16 tokens / 0.5 s
+    assert lines[1] == "| tiny | 1.00 MiB | 1.00 M | cpu (builtin) | 1 | tg5 | 10.00 ± 0.00 |"   # 4 gaps of 0.1 s
+    assert lines[3].endswith("| 2 | tg5 | 20.00 ± 0.00 |")
+    assert "threads: 1, 2 (the native CPU kernels' worker threads" in md
+    # The default table has the threads column too; a pp row has no decode speed and no bandwidth share.
+    default = report.render(recs, "md")
+    assert "| tiny | mlxinfer | 2 | tg5 |" in default
+    assert recs[0]["results"]["bandwidth_share"] is None
+
+
+def test_compare_keeps_thread_counts_apart():
+    recs = _llama_records()
+    pairs = report.compare_pairs(recs, copy.deepcopy(recs))
+    assert [(a["engine"]["threads"], b["engine"]["threads"]) for a, b in pairs] == [(1, 1), (1, 1), (2, 2), (2, 2)]
+    rows = report.compare_rows(recs, copy.deepcopy(recs))
+    assert rows[0][1] == "pp16 t1"
+    # A baseline from before records had threads (or of one thread count) still matches on model, test, engine,
+    # also when it holds several models with the same tests.
+    old = copy.deepcopy(recs[:2]) + [copy.deepcopy(r) for r in recs[:2]]
+    for r in old[:2]:
+        del r["engine"]["threads"]
+    for r in old[2:]:
+        r["model"]["name"] = "other"
+    assert [b["test"] for _, b in report.compare_pairs(recs, old)] == ["pp16", "tg5", "pp16", "tg5"]
+    assert all(b["model"]["name"] == "tiny" for _, b in report.compare_pairs(recs, old))
+
+
+def test_bandwidth_over_the_peak_is_flagged_not_printed_as_a_share():
+    recs = _llama_records(share_peak=1e-6)  # a peak far below what the fake run read
+    tg = recs[1]["results"]
+    assert tg["bandwidth_share"] > 1 and "above the peak of 0.0 GB/s" in tg["bandwidth_note"]
+    assert report.over_peak(recs[1]) and not report.over_peak(recs[0])
+    md = report.render(recs, "md")
+    assert "over peak!" in md and "%)" not in md.split("| test |")[1]
+    assert "2 test(s) read faster than the peak" in md and "a measurement problem" in md
+    fine = _llama_records()[1]
+    assert "(" in report.summary_row(fine)[-1] and "%)" in report.summary_row(fine)[-1]

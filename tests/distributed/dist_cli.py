@@ -93,3 +93,80 @@ def tiny_llama(d: Path, layers: int = 4, heads: int = 4, kv_heads: int = 2, bits
     (d / "config.json").write_text(json.dumps(config))
     _write_byte_tokenizer(d)
     return str(d)
+
+
+def rank_pids(launcher: int, rank: int) -> list[int]:
+    """Our launcher's rank processes (found by their MLX_RANK; other test runs may have their own)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if b"mlxinfer" in cmd and f"MLX_RANK={rank}".encode() in env and descends(parent, launcher):
+            found.append(int(pid))
+    return found
+
+
+def descends(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
+
+
+class Terminal:
+    """A command with a pseudo-terminal of its own (its Ctrl-C goes to its process group only)."""
+
+    def __init__(self, argv: list[str], env: dict):
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:
+            os.execve(argv[0], argv, env)
+        self.out = bytearray()
+
+    def until(self, pred, timeout: float) -> bool:
+        import select
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if pred(bytes(self.out)):
+                return True
+            if select.select([self.fd], [], [], 0.1)[0]:
+                try:
+                    self.out.extend(os.read(self.fd, 65536))
+                except OSError:
+                    break
+        return pred(bytes(self.out))
+
+    def write(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit status (os.waitstatus_to_exitcode), or None if still running after ``timeout`` seconds."""
+        import time
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.until(lambda _out: False, 0.2)  # keep reading so the child never blocks on a full terminal
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+        return None
+
+    def close(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(self.fd)

@@ -6,36 +6,9 @@ import os
 import subprocess
 import time
 
-from dist_cli import launch_cmd, needs_launch, tiny_llama
+from dist_cli import launch_cmd, needs_launch, rank_pids, tiny_llama
 
 pytestmark = needs_launch
-
-
-def _rank_pids(launcher: int, rank: int) -> list[int]:
-    """Our launcher's rank processes (found by their MLX_RANK; other test runs may have their own)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-            stat = open(f"/proc/{pid}/stat").read()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if b"mlxinfer" in cmd and f"MLX_RANK={rank}".encode() in env and _descends(parent, launcher):
-            found.append(int(pid))
-    return found
-
-
-def _descends(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            return False
-    return False
 
 
 def test_killing_a_rank_mid_generation_ends_the_other_with_one_line(tmp_path):
@@ -50,7 +23,7 @@ def test_killing_a_rank_mid_generation_ends_the_other_with_one_line(tmp_path):
             out += proc.stdout.read() or b""
             time.sleep(0.05)
         assert len(out) >= 8, "generation never started"
-        victims = _rank_pids(proc.pid, 1)
+        victims = rank_pids(proc.pid, 1)
         assert victims, "rank 1 not found"
         for pid in victims:
             os.kill(pid, 9)

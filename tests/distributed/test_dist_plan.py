@@ -4,6 +4,7 @@ refused, and a stage cut from a real (tiny) mlx-lm llama whose forward still fin
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 from dist_cli import tiny_llama
@@ -69,3 +70,23 @@ def test_split_refuses_more_ranks_than_layers(tmp_path):
     model, _ = load_model(Path(tiny_llama(tmp_path / "m", layers=2)), lazy=True)
     with pytest.raises(DistributedError, match="fewer than the 3 ranks"):
         pipeline.split(model, _world(0, 3))
+
+
+def test_tensor_parallel_kernel_report_names_what_runs_each_layer_group(tmp_path):
+    """mlx's sharded layers on a group of one (same classes as on N ranks), then the kernels: the report lists
+    the sharded projections as MLX built-in and the norms, RoPE, attention and embedding as custom kernels."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from mlxinfer.kernels.patch import apply_kernels
+
+    model, _ = load_model(Path(tiny_llama(tmp_path / "q4", bits=4)), lazy=True)
+    model.shard(mx.distributed.init())
+    mx.eval(model.parameters())
+    report = apply_kernels(model, "auto")
+    line = tensor.kernel_groups(model)
+    assert line.startswith("sharded linear layers run MLX's built-in quantized matmul (down_proj, gate_proj, k_proj, "
+                           "o_proj, q_proj, up_proj, v_proj:")
+    if report.name != "builtin":  # the native kernels are built here; then these layers run them
+        assert "input_layernorm, norm, post_attention_layernorm (KernelRMSNorm)" in line
+        assert "embed_tokens (KernelQuantizedEmbedding)" in line

@@ -60,18 +60,24 @@ def test_max_tokens_ends_with_length(smollm2):
     assert out[-1].finish_reason == "length" and out[-1].stats.generation_tokens == 3
 
 
+@pytest.fixture(scope="module")
+def ref_model(smollm2_dir):
+    """mlx-lm loading the imported directory by itself, once for the module."""
+    import mlx_lm
+
+    return mlx_lm.load(str(smollm2_dir))[0]
+
+
 @pytest.mark.parametrize("question", [
     "What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
 ])
-def test_greedy_parity_with_mlx_lm(smollm2, smollm2_dir, question):
-    """mlx-lm loading the imported directory by itself (its own dtype, its own loop) yields the same 32 tokens."""
+def test_greedy_parity_with_mlx_lm(smollm2, ref_model, question):
+    """mlx-lm on the imported directory (its own dtype, its own loop) yields the same 32 tokens."""
     import mlx.core as mx
-    import mlx_lm
     from mlx_lm.generate import generate_step
 
     import mlxinfer
 
-    ref_model, _ = mlx_lm.load(str(smollm2_dir))
     tokens = mlxinfer.chat_prompt(smollm2, [{"role": "user", "content": question}])
     params = mlxinfer.SamplingParams(temperature=0, max_tokens=32)
     ours = list(mlxinfer.stream_generate(smollm2, tokens, params, ignore_eos=True))[-1].stats.tokens

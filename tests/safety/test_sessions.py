@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,10 +21,8 @@ from safety_cli import MLXINFER, assert_one_line_error, error_lines, run, write_
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    import mlx.core as mx
-
-    mx.random.seed(7)  # fixed weights: the greedy reply of this model is long (no end-of-text for thousands)
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m", max_position_embeddings=65536)
+    # chatty: greedy never ends the reply and every token is visible, so a reply streams for as long as needed
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m", chatty=True, max_position_embeddings=65536)
 
 
 @pytest.fixture
@@ -163,6 +162,17 @@ def test_a_killed_holder_frees_the_session(tiny, env, chats):
     assert [m["content"] for m in messages(env, "crash")[::2]] == ["before the crash", "after the crash"]
 
 
+@pytest.fixture(scope="module")
+def saved_pair(tiny, tmp_path_factory) -> Path:
+    """Two sessions, 'src' and 'taken', saved once by real chats; each test gets a copy."""
+    data = tmp_path_factory.mktemp("pair")
+    env = {"XDG_DATA_HOME": str(data / "data"), "XDG_STATE_HOME": str(data / "state"), "PYTHONUNBUFFERED": "1"}
+    for name in ("src", "taken"):
+        r = run("chat", str(tiny), "--session", name, *FLAGS, env=env, input="hi\n")
+        assert r.returncode == 0, r.stderr
+    return sessions(env)
+
+
 @pytest.mark.parametrize("args, needles", [
     (("--fork", "x"), ("--fork needs --session",)),
     (("--session", "src", "--fork", "src"), ("--fork needs a new name",)),
@@ -170,10 +180,8 @@ def test_a_killed_holder_frees_the_session(tiny, env, chats):
     (("--session", "missing", "--fork", "new"), ("no saved session 'missing'",)),
     (("--session", "src", "--fork", "../evil"), ("invalid session name",)),
 ])
-def test_fork_refusals(tiny, env, args, needles):
-    for name in ("src", "taken"):
-        r = run("chat", str(tiny), "--session", name, *FLAGS, env=env, input="hi\n")
-        assert r.returncode == 0, r.stderr
+def test_fork_refusals(tiny, saved_pair, env, args, needles):
+    shutil.copytree(saved_pair, sessions(env))
     before = {p.name: p.read_bytes() for p in sessions(env).iterdir()}
     assert_one_line_error(run("chat", str(tiny), *args, *FLAGS, env=env, input="hi\n"), *needles)
     assert {p.name: p.read_bytes() for p in sessions(env).iterdir()} == before
