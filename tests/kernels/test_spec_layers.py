@@ -174,3 +174,31 @@ def test_selfcheck_refuses_changed_classes(native, monkeypatch, name, change):
     assert mx.allclose(got, expected, atol=2e-3, rtol=2e-3).item(), float(mx.abs(got - expected).max())
     assert not any(selfcheck._is_fused(m) for _, m in model.named_modules())
     patch.apply_kernels(model, "builtin")
+
+
+def test_gemma3_batched_rows_match_alone(native, monkeypatch):
+    """The server's way (rows prefilled alone, merged into mlx-lm's BatchKVCache, decoded together) past the
+    sliding window: the sliding layers run per op with the window mask (the one-op layer and the native batched
+    attention take only causal + left padding), each row still gets its own greedy tokens."""
+    monkeypatch.setenv("MLXINFER_KV_DTYPE", "float32")
+    model = model_for("gemma3_text")
+    assert "2 decoder layers as one op" in patch.apply_kernels(model, "auto").detail
+    prompts, steps = [PROMPT, PROMPT[5:15]], 20
+
+    def alone(prompt):
+        cache = cache_lib.make_prompt_cache(model)
+        tokens = [int(mx.argmax(model(mx.array([prompt]), cache=cache)[0, -1]))]
+        for _ in range(steps):
+            tokens.append(int(mx.argmax(model(mx.array([[tokens[-1]]]), cache=cache)[0, -1])))
+        return tokens
+
+    want = [alone(p) for p in prompts]
+    caches = [cache_lib.make_prompt_cache(model) for _ in prompts]
+    got = [[int(mx.argmax(model(mx.array([p]), cache=c)[0, -1]))] for p, c in zip(prompts, caches)]
+    batch = [cache_lib.BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
+    for _ in range(steps):
+        y = mx.argmax(model(mx.array([[g[-1]] for g in got]), cache=batch)[:, -1], axis=-1).tolist()
+        for g, t in zip(got, y):
+            g.append(t)
+    assert got == want
+    patch.apply_kernels(model, "builtin")
