@@ -102,8 +102,12 @@ void norm_rows(const LayerPlan& p, const mx::array& w, const float* x, float* y,
 // out[r, i] = act(g[r, i]) * u[r, i]; g and u rows `stride` apart (a fused gate_up: u = g + I, stride 2I). In place
 // (out == g) is safe row by row: row r's output ends before row r + 1's input starts.
 void act_mul(int act, const float* g, const float* u, float* out, size_t rows, int I, size_t stride) {
-  if (act == 0 && stride == (size_t)I) {
-    select_kernels().silu_mul(g, u, out, rows * I);
+  if (act == 0) {  // the vectorised SiLU kernel, per row when gate and up interleave by rows (fused gate_up)
+    if (stride == (size_t)I) {
+      select_kernels().silu_mul(g, u, out, rows * I);
+    } else {
+      for (size_t r = 0; r < rows; ++r) select_kernels().silu_mul(g + r * stride, u + r * stride, out + r * I, I);
+    }
     return;
   }
   const float k0 = std::sqrt(2.f / static_cast<float>(M_PI));
