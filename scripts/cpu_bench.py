@@ -184,7 +184,9 @@ def llama_cpp_round(args, gguf: Path, prompt: list[int]) -> tuple[float, float]:
            "gen": args.gen_tokens, "rounds": 1}
     proc = subprocess.run([args.llama_python, "-c", LLAMA_CODE, json.dumps(cfg)], capture_output=True, text=True)
     if proc.returncode:
-        sys.exit(f"llama.cpp failed on {gguf}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        import bench_arch
+
+        sys.exit(bench_arch.llama_failure(proc, gguf))
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     return res["prefill"], res["decode"]
 
@@ -303,9 +305,12 @@ def check_arch(args, key: str) -> dict:
     import bench_arch
 
     arch, gguf = arch_file(args, key)
-    out = bench_arch.check_logits(gguf, arch, llama_python=args.llama_python if llama_cpp_available(args) else None,
-                                  threads=args.threads, n_prompt=min(args.prompt_tokens, 64),
-                                  n_follow=min(args.gen_tokens, 8))
+    try:
+        out = bench_arch.check_logits(gguf, arch, llama_python=args.llama_python if llama_cpp_available(args) else None,
+                                      threads=args.threads, n_prompt=min(args.prompt_tokens, 64),
+                                      n_follow=min(args.gen_tokens, 8))
+    except RuntimeError as e:  # llama.cpp's subprocess failed: one line
+        sys.exit(str(e))
     print(f"\n## check {key}: {out['prompt_tokens']}-token prompt + {out['decode_steps']} decode steps, {args.qtype}, "
           f"against {out['reference']} (logit std {out['logit_std']:.2f})\n")
     print("| mlxinfer | prefill max abs diff | prefill top-1 agree | decode max abs diff | decode top-1 agree |\n"
