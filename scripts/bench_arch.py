@@ -330,6 +330,14 @@ np.savez(cfg["out"], prefill=prefill, decode=np.stack(decode))
 """
 
 
+def llama_failure(proc, gguf: Path) -> str:
+    """One line on why the llama.cpp subprocess failed."""
+    if proc.returncode == -4:  # SIGILL
+        return (f"llama.cpp died with SIGILL on {gguf.name}: its build uses instructions this CPU lacks (AVX-512 on "
+                "an AVX2-only CPU?); rebuild llama-cpp-python with GGML_NATIVE=ON or without those CMAKE_ARGS")
+    return f"llama.cpp failed on {gguf.name}: {(proc.stderr.strip().splitlines() or [f'exit {proc.returncode}'])[-1]}"
+
+
 def check_logits(gguf: Path, a: Arch, *, llama_python: str | None, threads: int, n_prompt: int,
                  n_follow: int) -> dict:
     """mlxinfer's logits (built-in and native kernels) against llama.cpp's on the same file: the prompt in one
@@ -358,7 +366,7 @@ def check_logits(gguf: Path, a: Arch, *, llama_python: str | None, threads: int,
                    "prompt": prompt, "follow": follow, "out": f"{tmp}/logits.npz"}
             proc = subprocess.run([llama_python, "-c", LLAMA_CHECK, json.dumps(cfg)], capture_output=True, text=True)
             if proc.returncode:
-                raise RuntimeError(f"llama.cpp failed on {gguf}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+                raise RuntimeError(llama_failure(proc, gguf))
             with np.load(cfg["out"]) as f:
                 ref_name, ref = "llama.cpp", (f["prefill"], f["decode"])
     else:

@@ -84,10 +84,15 @@ const KernelSet& select_kernels() {
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     const bool vnni = has512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
     if (want == "generic") return generic_kernels();
-    if (want == "avx2" && has2) return avx2_kernels();
+    if (want == "avx2float" && has2) {  // AVX2 with the float32 decode kernel (the int16 one's predecessor)
+      KernelSet ks = avx2_kernels();
+      ks.isa = "avx2float";
+      return ks;
+    }
+    if (want == "avx2" && has2) return avx2int_kernels();
     if ((want.empty() || want == "avx512vnni") && vnni) return avx512vnni_kernels();
     if ((want.empty() || want == "avx512") && has512) return avx512_kernels();
-    if (has2) return avx2_kernels();
+    if (has2) return avx2int_kernels();
 #elif defined(__aarch64__)
     if (want != "generic") return neon_kernels();  // ASIMD is part of every arm64 CPU
 #endif
@@ -105,7 +110,7 @@ SdpaFn select_sdpa() {
     const std::string isa = select_kernels().isa;
 #if defined(__x86_64__) || defined(_M_X64)
     if (isa == "avx512" || isa == "avx512vnni") return avx512_sdpa();
-    if (isa == "avx2") return avx2_sdpa();
+    if (isa == "avx2" || isa == "avx2float") return avx2_sdpa();
 #elif defined(__aarch64__)
     if (isa == "neon") return neon_sdpa();
 #endif

@@ -63,14 +63,15 @@ struct KernelSet {
 
 KernelSet generic_kernels();
 #if defined(__x86_64__) || defined(_M_X64)
-KernelSet avx2_kernels();
+KernelSet avx2_kernels();     // isa "avx2": float32 decode (MLXINFER_ISA=avx2float picks it)
+KernelSet avx2int_kernels();  // isa "avx2": int16 x decode (qmm_avx2int.cpp), float32 prefill
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
 #elif defined(__aarch64__)
 KernelSet neon_kernels();
 #endif
 
-// Best set for this CPU (runtime dispatch), or the one forced by MLXINFER_ISA=generic|avx2|avx512|avx512vnni
+// Best set for this CPU (runtime dispatch), or the one forced by MLXINFER_ISA=generic|avx2float|avx2|avx512|avx512vnni
 // (x86) or generic|neon (arm64).
 const KernelSet& select_kernels();
 

@@ -117,7 +117,12 @@ def test_llama_cpp_reads_the_same_model(tmp_path, key):
     quantizes activations to 8 bits for its 4-bit dot products: a few % of the logit spread)."""
     arch = bench_arch.with_shape(bench_arch.tiny(bench_arch.ARCHS[key]), "hidden=128,head_dim=32,ffn=256,vocab=1024")
     path = bench_arch.write_gguf(tmp_path / f"{key}.gguf", arch, "Q4_0")
-    out = bench_arch.check_logits(path, arch, llama_python=LLAMA_PYTHON, threads=2, n_prompt=12, n_follow=4)
+    try:
+        out = bench_arch.check_logits(path, arch, llama_python=LLAMA_PYTHON, threads=2, n_prompt=12, n_follow=4)
+    except RuntimeError as e:
+        if "SIGILL" in str(e):  # a llama.cpp built for another CPU: not this test's subject
+            pytest.skip(str(e))
+        raise
     assert out["reference"] == "llama.cpp"
     for engine in ("builtin", "native"):
         row = out[engine]
