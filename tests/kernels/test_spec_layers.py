@@ -4,8 +4,9 @@ refusing a changed gemma3 / phi3 class.
 
 Tolerance: the fused path differs from MLX's by rounding only. Measured on these tiny models (AVX2, max abs logit
 difference relative to the largest |logit|, prefill + 32 decode steps): 1.3e-4 to 7.8e-4 with the default
-float16 KV cache, 0.9e-6 to 2.5e-6 with MLXINFER_KV_DTYPE=float32. ``REL_TOL`` = 5e-3 (float16) and 5e-5
-(float32); a changed formula gives 1e-1 and more.
+float16 KV cache; with MLXINFER_KV_DTYPE=float32, 0.9e-6 to 2.5e-6 with the float32 decode matvec and 0.8e-4 to
+1.2e-4 with the int16-activation one (AVX2 int16 / VNNI, the default where the CPU has it). ``REL_TOL`` = 5e-3
+(float16 cache) and 5e-4 (float32); a changed formula gives 1e-1 and more.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from mlxinfer.kernels import fused_block, patch, selfcheck, spec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 import tiny_arch  # noqa: E402
 
-REL_TOL = {"float16": 5e-3, "float32": 5e-5}
+REL_TOL = {"float16": 5e-3, "float32": 5e-4}
 DECODE_STEPS = 32
 PROMPT = [1, 17, 923, 4, 88, 1203, 5, 77, 311, 9, 40, 2048, 3, 61, 500, 12, 7, 1999, 25, 8, 640, 33, 2, 91]
 # Gemma with a window of 16 so that the 24-token prompt and the decode steps both run past it.
