@@ -52,25 +52,6 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "half"_a = false,
         "A fresh KV-cache buffer (B, heads, capacity, dim), zeros, float32 or float16 (half), holding src's first "
         "`valid` positions.");
-  // config: a plain tuple, not a bound class (a second load of the module could not register a class again).
-  m.def("decoder_block",
-        [](const mx::array& x, const std::vector<mx::array>& weights, const mx::array& k_buf, const mx::array& v_buf,
-           int offset, bool causal,
-           const std::tuple<int, int, int, int, int, int, bool, float, float, float, float, float, bool, bool,
-                            float>& c,
-           const std::optional<mx::array>& freqs) {
-          const auto& [gs, bits, hq, hkv, d, rd, trad, base, rs, as, e1, e2, qkv_bias, qk_norm, qk_eps] = c;
-          return mlxinfer_cpu::decoder_block(
-              x, weights, k_buf, v_buf, offset, causal,
-              {gs, bits, hq, hkv, d, rd, trad, base, rs, as, e1, e2, qkv_bias, qk_norm, qk_eps}, freqs);
-        },
-        "x"_a, "weights"_a, "k_buf"_a, "v_buf"_a, "offset"_a,
-        "causal"_a, "config"_a, "freqs"_a = nb::none(),
-        "A llama decoder layer as one op (config: group_size, bits, n_heads, n_kv_heads, head_dim, rope_dims, "
-        "traditional, base, rope_scale, attn_scale, eps1, eps2, qkv_bias, qk_norm, qk_eps); writes this step's "
-        "keys/values into k_buf/v_buf IN PLACE (kv_reserve buffers only) at offset. weights: (w, scales, biases) "
-        "of q, k, v, o, gate, up, down, the two norm weights, then q/k/v biases and q/k norm weights when the "
-        "config has them. Returns [y, k_buf', v_buf'] (the buffers' memory).");
   m.def("decoder_layer_plan", &mlxinfer_cpu::decoder_layer_plan, "names"_a, "config"_a,
         "A plan id for decoder_layer: the weights' slot names in the order the arrays will come, and the layer's "
         "numbers (mlxinfer/kernels/spec.py builds both).");

@@ -3,7 +3,7 @@
 // (keys, values), and the attention then reads the buffers up to the valid length (sdpa's kv_len), not slices.
 // Like MLX's own SliceUpdate, the outputs take over the input buffers when nothing else references them, so the
 // cache is updated in place; otherwise the buffers are copied first. kv_reserve makes the fresh buffers that
-// decoder_block (block.cpp) writes into.
+// decoder_layer (layer.cpp) writes into.
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -70,7 +70,7 @@ class NativeKvWrite : public mx::UnaryPrimitive {
   int offset_;
 };
 
-// A fresh buffer for decoder_block's in-place KV writes: never a view, never another array's donated buffer.
+// A fresh buffer for decoder_layer's in-place KV writes: never a view, never another array's donated buffer.
 class NativeKvReserve : public mx::UnaryPrimitive {
  public:
   NativeKvReserve(mx::Stream s, int valid) : mx::UnaryPrimitive(s), valid_(valid) {}

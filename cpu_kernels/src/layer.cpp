@@ -12,8 +12,13 @@
 // names are the ones in kSlots below; Python builds the list from the spec), resolves them to input indexes once
 // and returns a plan id. Nothing else knows a position.
 //
-// KV cache: as block.cpp's decoder_block, this step's keys/values are written IN PLACE into k_buf / v_buf at
-// [offset, offset + L) (kv_reserve buffers owned by kernels.kv_cache.InPlaceKVCache; see block.cpp's header).
+// KV cache: this step's keys/values are written IN PLACE into the k_buf / v_buf inputs at [offset, offset + L);
+// the op's outputs are (y, k_buf', v_buf'), the last two sharing the input buffers, so that evaluating the cache
+// (mx.eval(cache.state)) runs the op. That breaks MLX's value semantics for those buffers on purpose: it is safe
+// because the only caller (mlxinfer/kernels/fused_block.py, through kernels.kv_cache.InPlaceKVCache) passes
+// buffers it allocated itself with kv_reserve (never views, never shared) and writes only past every position a
+// holder of them may read (it copies into a fresh buffer after a trim). MLX's own alternative, buffer donation,
+// needs each buffer to be an input referenced once, which a multi-output primitive cannot give.
 #include <cmath>
 #include <cstring>
 #include <mutex>

@@ -67,37 +67,16 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>
                                 const std::optional<mx::array>& offsets = std::nullopt);
 
 // A fresh (B, heads, capacity, dim) buffer (zeros), float32 or float16 (`half`), holding src's first `valid`
-// positions (converted): the KV-cache buffers decoder_block writes in place (a new allocation, never a view or a
+// positions (converted): the KV-cache buffers decoder_layer writes in place (a new allocation, never a view or a
 // donated buffer).
 mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::array>& src = std::nullopt,
                      int valid = 0, bool half = false);
-
-// A llama-style decoder layer as one op (block.cpp): x (B, L, hidden) float32 ->
-//   h = x + o(sdpa(rope(q(n1)), K, V)),  y = h + down(silu(gate(n2)) * up(n2)),  n1 = rms(x), n2 = rms(h)
-// weights: (w, scales, biases) of q, k, v, o, gate, up, down sharing one group_size/bits, then the norm1 and
-// norm2 weights (23 arrays). This step's rope(k(n1)) and v(n1) are written IN PLACE into k_buf / v_buf
-// (kv_reserve buffers, (B, n_kv_heads, cap, head_dim), float32 or float16) at [offset, offset + L) and
-// attention reads their first offset + L positions (causal within the step when `causal`). freqs: RoPE periods
-// as mx.fast.rope's (then base is unused). Returns [y, k_buf', v_buf'], the last two sharing k_buf's / v_buf's
-// memory.
-// Options: qkv_bias (Qwen2): q, k, v biases follow the norms in `weights`; qk_norm (Qwen3): then the q_norm and
-// k_norm weights (head_dim,), an RMSNorm (eps qk_eps) over each head of q and k before RoPE.
-struct DecoderBlockConfig {
-  int group_size, bits, n_heads, n_kv_heads, head_dim, rope_dims;
-  bool traditional;
-  float base, rope_scale, attn_scale, eps1, eps2;
-  bool qkv_bias = false, qk_norm = false;
-  float qk_eps = 0.f;
-};
-std::vector<mx::array> decoder_block(const mx::array& x, const std::vector<mx::array>& weights, const mx::array& k_buf,
-                                     const mx::array& v_buf, int offset, bool causal, const DecoderBlockConfig& config,
-                                     const std::optional<mx::array>& freqs = std::nullopt);
 
 // One decoder layer as one op, by a plan (layer.cpp; mlxinfer/kernels/spec.py describes the layer):
 // decoder_layer_plan(names, config) resolves the weights' slot names (in the order decoder_layer will get the
 // arrays) and the layer's numbers once and returns a plan id; decoder_layer(x, arrays, k_buf, v_buf, offset,
 // causal, plan) then runs it, writing this step's keys/values IN PLACE into the kv_reserve buffers at offset.
-// Returns [y, k_buf', v_buf'] like decoder_block.
+// Returns [y, k_buf', v_buf'], the last two sharing k_buf's / v_buf's memory.
 int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std::string, double>& config);
 std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::array>& arrays, const mx::array& k_buf,
                                      const mx::array& v_buf, int offset, bool causal, int plan_id);

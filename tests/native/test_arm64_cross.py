@@ -39,7 +39,7 @@ def test_neon_and_portable_kernels_under_qemu(tmp_path):
 
 
 def test_every_source_compiles_for_arm64(tmp_path):
-    """The MLX-facing sources (primitives, pool, the fused block) build for arm64 too (compile only: linking
+    """The MLX-facing sources (primitives, pool, the fused layer) build for arm64 too (compile only: linking
     needs an arm64 libmlx)."""
     _need(CXX)
     import mlx
@@ -47,7 +47,7 @@ def test_every_source_compiles_for_arm64(tmp_path):
     include = Path(list(mlx.__path__)[0]) / "include"
     sources = [p for p in sorted(SRC.glob("*.cpp"))
                if p.name not in ("bindings.cpp", "qmm_avx2.cpp", "qmm_avx2int.cpp", "qmm_avx512.cpp", "qmm_vnni.cpp")]
-    assert any(p.name == "block.cpp" for p in sources)
+    assert any(p.name == "layer.cpp" for p in sources)
     for src in sources:
         out = subprocess.run([CXX, "-std=c++20", "-fsyntax-only", f"-I{include}", f"-I{SRC}", str(src)],
                              capture_output=True, text=True, timeout=300)
