@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_lm.models.cache import KVCache
+from mlxinfer.kernels.fused_block import window_of
 from mlxinfer.kernels.layers import (
     bind, builtin_class, fused_kind, is_kernel_class, routed_attention_class, routes_attention, unbind,
 )
@@ -102,8 +103,12 @@ def _inputs(m: nn.Module) -> Optional[tuple[mx.array, mx.array]]:
     width = _input_width(m)
     if width is None:
         return None
+    # A sliding layer is checked within its window: the reference then runs with a causal mask and a plain cache,
+    # which is the maths of the window mask and rotating cache the model gives it while every key is in the window.
+    window = window_of(m)
+    length = max(1, min(PREFILL, window - 1)) if window > 0 else PREFILL
     k1, k2 = mx.random.split(mx.random.key(SEED))
-    return mx.random.normal((1, PREFILL, width), key=k1), mx.random.normal((1, 1, width), key=k2)
+    return mx.random.normal((1, length, width), key=k1), mx.random.normal((1, 1, width), key=k2)
 
 
 def _input_width(m: nn.Module) -> Optional[int]:
