@@ -22,6 +22,7 @@ so that a batched step runs RoPE, the KV update and attention natively (per-row 
 
 from __future__ import annotations
 
+import copy
 import os
 import weakref
 from typing import Any, Callable, Optional, Tuple
@@ -114,6 +115,15 @@ class NativeBatchKVCache(BatchKVCache):
             return None
         cache._provider = provider
         return cache
+
+    def __deepcopy__(self, memo: dict) -> "NativeBatchKVCache":
+        """mlx-lm's ``BatchGenerator.split`` deep-copies its caches: the arrays are copied, the provider (it holds
+        the native module, which cannot be copied) is shared."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if key == "_provider" else copy.deepcopy(value, memo)
+        return new
 
     def append(self, keys: mx.array, values: mx.array) -> Optional[Tuple[mx.array, mx.array, int]]:
         """Write keys/values (B, H, L, D) at the shared index ``_idx`` (every row's next position; rows are
