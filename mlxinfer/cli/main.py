@@ -255,10 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the one top-level handler
         if debug_enabled():
             raise
-        from ..distributed.group import lost_peer_line  # under mlx.launch: a rank is gone
+        from ..distributed.group import fail, lost_peer_line  # under mlx.launch: a rank is gone
 
         if (line := lost_peer_line(e)) is not None:
-            _say(f"error: {line}")
+            try:
+                sys.stdout.flush()  # what was generated stays written (fail ends the process without cleanup)
+            except (OSError, ValueError):
+                pass
+            fail(line)  # ends the process now: mlx.launch's SIGTERM, on its way, must not add a second line
             return 1
         first = (str(e).splitlines() or [""])[0]
         _say(f"error: internal error: {type(e).__name__}: {first} (set MLXINFER_DEBUG=1 for the traceback and "

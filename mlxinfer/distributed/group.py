@@ -221,9 +221,17 @@ def _signal_pipe() -> Optional[int]:
         return None
 
 
+_FAILING = False  # set by the first fail(): whoever comes second (mlx.launch's SIGTERM, the watchdog) says nothing
+
+
 def fail(line: str, code: int = 1) -> None:
     """Print one line (the leader only; followers are silent) and end the process now: the main thread may be
-    blocked inside a collective that will never return."""
+    blocked inside a collective that will never return. A second call while the first is ending the process
+    returns at once, so a rank that lost its peer never prints a second line for the launcher's SIGTERM."""
+    global _FAILING
+    if _FAILING:
+        return
+    _FAILING = True
     try:
         sys.stderr.write(f"error: {line}\n")
         sys.stderr.flush()
