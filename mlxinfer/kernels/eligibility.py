@@ -62,16 +62,23 @@ def mlx_lm_validated() -> Optional[str]:
     return f"mlx-lm {version} is not a version the fused layers were validated against ({', '.join(VALIDATED_MLX_LM)}x)"
 
 
-def role_of(cls: type) -> Optional[str]:
-    """The role of an mlx-lm class (or of the class a fused subclass was made from), or None."""
+def table_key(cls: type) -> Optional[tuple[str, str]]:
+    """(mlx_lm.models module, class name) of an mlx-lm class (or of the class a fused subclass was made from), when
+    the object found under that name is the class itself and the installed mlx-lm is validated; else None. The
+    key the tables here and in ``kernels.spec`` are read with."""
     cls = getattr(cls, "_fused_base", None) or cls
     module = getattr(cls, "__module__", "")
     if not module.startswith("mlx_lm.models.") or mlx_lm_validated() is not None:
         return None
-    key = (module[len("mlx_lm.models."):], cls.__qualname__)
-    if key not in ROLES or getattr(sys.modules.get(module), cls.__qualname__, None) is not cls:
+    if getattr(sys.modules.get(module), cls.__qualname__, None) is not cls:
         return None
-    return ROLES[key]
+    return module[len("mlx_lm.models."):], cls.__qualname__
+
+
+def role_of(cls: type) -> Optional[str]:
+    """The role of an mlx-lm class (or of the class a fused subclass was made from), or None."""
+    key = table_key(cls)
+    return ROLES.get(key) if key is not None else None
 
 
 def has_role(module, role: str) -> bool:

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxinfer.kernels.eligibility import MLP_SWIGLU, has_role, mlx_lm_validated
+from mlxinfer.kernels.eligibility import MLP_SWIGLU, has_role, table_key
 from mlxinfer.kernels.layers import builtin_class
 
 SILU, GELU_TANH = "silu", "gelu_tanh"
@@ -263,16 +263,8 @@ BUILDERS: dict[tuple[str, str], Callable[[nn.Module, int], Built]] = {
 
 def builder_of(cls: type) -> Optional[Callable[[nn.Module, int], Built]]:
     """The builder for an mlx-lm block class (by identity, validated mlx-lm versions only), or None."""
-    import sys
-
-    cls = getattr(cls, "_fused_base", None) or cls
-    module = getattr(cls, "__module__", "")
-    if not module.startswith("mlx_lm.models.") or mlx_lm_validated() is not None:
-        return None
-    key = (module[len("mlx_lm.models."):], cls.__qualname__)
-    if key not in BUILDERS or getattr(sys.modules.get(module), cls.__qualname__, None) is not cls:
-        return None
-    return BUILDERS[key]
+    key = table_key(cls)
+    return BUILDERS.get(key) if key is not None else None
 
 
 def spec_of(block: nn.Module, window: int = 0) -> Built:
