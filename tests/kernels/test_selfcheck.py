@@ -14,16 +14,6 @@ from mlxinfer.errors import MlxinferError
 from mlxinfer.kernels import eligibility, patch, selfcheck
 
 
-@pytest.fixture(scope="module")
-def native():
-    from mlxinfer import native as native_mod
-
-    provider = native_mod.provider()
-    if provider is None or getattr(provider, "decoder_layer", None) is None:
-        pytest.skip(f"native CPU kernels not built: {native_mod.status()}")
-    return provider
-
-
 def run(model, tokens=(1, 5, 7, 9, 11, 13), steps=3):
     """Logits of a prefill and a few greedy decode steps (the paths the fused layers take)."""
     cache = cache_lib.make_prompt_cache(model)

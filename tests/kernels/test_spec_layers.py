@@ -34,16 +34,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def native():
-    from mlxinfer import native as native_mod
-
-    provider = native_mod.provider()
-    if provider is None or getattr(provider, "decoder_layer", None) is None:
-        pytest.skip(f"native CPU kernels not built: {native_mod.status()}")
-    return provider
-
-
 def model_for(name: str):
     return tiny_arch.make_model(name, overrides=CASES[name])
 
