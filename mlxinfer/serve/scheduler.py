@@ -1,9 +1,13 @@
 """Continuous batching: one engine thread owns the model; requests join and leave the running batch at token
 boundaries.
 
-* A new request takes the longest stored prefix from the prefix cache, then prefills the rest alone (a plain
-  ``KVCache``, the fast single-sequence path) in chunks, one chunk between two decode steps so running streams
-  keep flowing.
+* A new request takes the longest stored prefix from the prefix cache. Fresh prompts (no hit) that wait together
+  are prefilled together: left-padded into one ``BatchKVCache`` and run as one forward per chunk (a burst of 8
+  arrivals pays one prefill, not 8 interleaved with decode steps; the batched forward also costs a little less
+  CPU than the 8 single ones). A lone prompt, or one continuing a prefix-cache hit, prefills alone on a plain
+  ``KVCache`` (the fast single-sequence path).
+* Prefill runs in rounds of at most ``prefill_chunk`` prompt tokens between two decode steps while streams are
+  decoding (they keep flowing), and ``IDLE_PREFILL`` tokens per forward when none is (nothing to wait for).
 * Prefilled sequences join the decode batch. Below ``batch_from`` sequences each decodes on its own plain
   ``KVCache`` (the native one-op-per-layer path; their steps are evaluated together); from ``batch_from`` on they
   share a left-padded ``BatchKVCache`` (mlx-lm's ``merge``/``extend``/``filter``/``extract``: one forward pass
@@ -12,8 +16,13 @@ boundaries.
   (RoPE, KV update and attention native with per-row positions, ``kernels.kv_cache.NativeBatchKVCache``) and
   from 2 sequences on costs less than their single steps (SmolLM2, CPU time per step: 1 seq 20 ms, batched 2 /
   4 / 8 28 / 40 / 73-87 ms; before the native batched path 2 seqs were slower batched).
+* Decode is pipelined as mlx-lm's ``generate_step``: step N+1 is built on step N's sampled tokens (still lazy) and
+  handed to ``mx.async_eval`` before step N's tokens are read back, detokenised and pushed, so the graph building
+  and the per-token Python work overlap the model's evaluation. A sequence that ends on EOS or a stop string has
+  then run one step too many (dropped); one that ends by its token budget is read back first and runs none.
 * Each sequence keeps its own sampler, logits processors, random state (a ``seed`` reproduces its output whatever
-  else runs), stop strings, token budget and logprobs setting.
+  else runs), stop strings, token budget and logprobs setting. ``logsumexp`` runs only when a row wants logprobs
+  (the samplers are shift-invariant: they get the logits minus their max, as ``engine.steps`` does).
 * A cancelled (client gone) or timed-out request leaves the batch before the next step; a finished one leaves
   its KV cache to the prefix cache.
 
@@ -27,11 +36,21 @@ import time
 from collections import deque
 from typing import Any
 
-from ..engine.generate import _holdback
 from ..engine.sampling import repair_random_state
 from .prefix_cache import PrefixCache
 from .schemas import ApiError
-from .sequence import Ticket, SeqState
+from .sequence import SeqState, Ticket
+
+IDLE_PREFILL = 2048  # prompt tokens per forward while no stream decodes (mlx-lm's default prefill step)
+
+
+class _Step:
+    """A dispatched decode step: its rows (the batch then) and their sampled tokens (and logprobs), still lazy."""
+
+    __slots__ = ("rows", "sampled", "logprobs")
+
+    def __init__(self, rows: list, sampled, logprobs):
+        self.rows, self.sampled, self.logprobs = rows, sampled, logprobs
 
 
 class Engine:
@@ -43,9 +62,15 @@ class Engine:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
-        self._prefilling: deque[SeqState] = deque()
+        self._prefilling: deque[SeqState] = deque()   # every sequence not yet decoding (the group's rows too)
+        self._group: list[SeqState] = []              # fresh prompts prefilled together (rows of _gcache)
+        self._gcache: list | None = None
+        self._gtokens: list[list[int]] = []           # their left-padded prompt tokens, and how many are done
+        self._gdone = 0
         self._batch: list[SeqState] = []
         self._bcache: list | None = None   # BatchKVCache per layer when batched, else None (each seq has its own)
+        self._step: _Step | None = None    # the decode step dispatched and not read back yet
+        self._groupable: bool | None = None
         self._stopping = False
         self._peak = 0
         self.draining = False
@@ -138,50 +163,120 @@ class Engine:
         self._prefilling.append(seq)
         self._update_gauges()
 
+    @staticmethod
+    def _gone(s: SeqState, now: float) -> bool:
+        return s.ticket.cancelled or (s.ticket.deadline is not None and now > s.ticket.deadline)
+
     def _reap(self) -> None:
-        """Cancelled and timed-out requests leave (a cancelled one within a token of its client going away)."""
+        """Cancelled and timed-out requests leave (a cancelled one within a token of its client going away). A row
+        of a batched prefill is answered now and dropped from its group's cache when the group is done."""
         now = time.perf_counter()
-
-        def gone(s: SeqState) -> bool:
-            return s.ticket.cancelled or (s.ticket.deadline is not None and now > s.ticket.deadline)
-
-        for s in [s for s in self._prefilling if gone(s)]:
+        for s in [s for s in self._prefilling if self._gone(s, now)]:
             self._prefilling.remove(s)
             self._finish(s, None)
-        leaving = [i for i, s in enumerate(self._batch) if gone(s)]
+        leaving = [i for i, s in enumerate(self._batch) if self._gone(s, now)]
         if leaving:
             self._leave(leaving, {i: None for i in leaving})
 
+    # ---- prefill --------------------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
-        """Up to ``prefill_chunk`` prompt tokens between two decode steps, over as many waiting sequences as they
-        cover (eight short prompts arriving together start within a step or two, not eight)."""
+        """One round of prompt tokens between two decode steps: the batched group first, then single prompts."""
         import mlx.core as mx
 
-        budget = self.prefill_chunk
-        while self._prefilling and budget > 0:
-            seq = self._prefilling[0]
+        budget = self.prefill_chunk if self._batch else max(self.prefill_chunk, IDLE_PREFILL)
+        if not self._group:
+            self._form_group()
+        if self._group:
+            budget -= self._group_step(budget)
+        for seq in list(self._prefilling):
+            if budget <= 0:
+                break
+            if seq in self._group:
+                continue
             chunk, seq.todo = seq.todo[:budget], seq.todo[budget:]
             if chunk:
+                seq.started = True
                 self.model(mx.array([chunk]), cache=seq.cache)
                 mx.eval([c.state for c in seq.cache])
                 budget -= len(chunk)
             if not seq.todo:
-                self._prefilling.popleft()
-                self._join(seq)
+                self._prefilling.remove(seq)
+                self._join([seq])
 
-    def _join(self, seq: SeqState) -> None:
+    def _form_group(self) -> None:
+        """Fresh prompts waiting together (two or more) become one left-padded batched prefill."""
         from mlx_lm.models.cache import BatchKVCache
 
-        self._batch.append(seq)
-        if self._bcache is not None:
-            for bc, c in zip(self._bcache, seq.cache):
-                bc.extend(BatchKVCache.merge([c]))
-            seq.cache = None
-        elif len(self._batch) >= self.batch_from:
-            layers = zip(*(s.cache for s in self._batch))
-            self._bcache = [BatchKVCache.merge(list(caches)) for caches in layers]
-            for s in self._batch:
+        fresh = [s for s in self._prefilling if not s.started and s.todo]
+        if len(fresh) < 2 or not self._can_group(fresh[0].cache):
+            return
+        width = max(len(s.todo) for s in fresh)
+        pads = [width - len(s.todo) for s in fresh]
+        self._group, self._gdone = fresh, 0
+        self._gtokens = [[0] * p + s.todo for p, s in zip(pads, fresh)]
+        self._gcache = [BatchKVCache(pads) for _ in fresh[0].cache]
+        for s in fresh:
+            s.cache, s.started = None, True
+
+    def _can_group(self, cache: list) -> bool:
+        """Only plain KV caches batch (not rotating or quantized ones): checked once, on a fresh cache."""
+        from mlx_lm.models.cache import KVCache
+
+        if self._groupable is None:
+            from ..kernels.kv_cache import InPlaceKVCache
+
+            self._groupable = all(type(c) in (KVCache, InPlaceKVCache) for c in cache)
+        return self._groupable
+
+    def _group_step(self, budget: int) -> int:
+        """The next columns of the group (at least one, ``budget`` tokens over all rows); returns tokens used."""
+        import mlx.core as mx
+
+        rows, done = len(self._group), self._gdone
+        cols = max(1, budget // rows)
+        chunk = [t[done:done + cols] for t in self._gtokens]
+        self.model(mx.array(chunk), cache=self._gcache)
+        mx.eval([c.state for c in self._gcache])
+        self._gdone = done + len(chunk[0])
+        if self._gdone >= len(self._gtokens[0]):
+            group, gcache = self._group, self._gcache
+            self._group, self._gcache, self._gtokens = [], None, []
+            keep = [i for i, s in enumerate(group) if s in self._prefilling]  # the others left (_reap, _drop)
+            for i in keep:
+                group[i].todo = []
+                self._prefilling.remove(group[i])
+            if keep and len(keep) < len(group):
+                for c in gcache:
+                    c.filter(keep)
+            group = [group[i] for i in keep]
+            if group:
+                self._join(group, gcache)
+        return rows * len(chunk[0])
+
+    # ---- the decode batch -------------------------------------------------------------------------------------
+    def _join(self, seqs: list[SeqState], gcache: list | None = None) -> None:
+        """Prefilled sequences join the batch: each with its own cache, or the rows of a batched ``gcache``."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        def merged(group: list[SeqState]) -> list:
+            return [BatchKVCache.merge(list(caches)) for caches in zip(*(s.cache for s in group))]
+
+        if len(self._batch) + len(seqs) < self.batch_from:
+            if gcache is not None:  # too few to batch: each row its own fast single-sequence cache
+                for i, s in enumerate(seqs):
+                    s.cache = [c.extract(i) for c in gcache]
+        else:
+            new = gcache if gcache is not None else merged(seqs)
+            if self._bcache is None and self._batch:
+                self._bcache = merged(self._batch)
+            if self._bcache is None:
+                self._bcache = new
+            else:
+                for bc, c in zip(self._bcache, new):
+                    bc.extend(c)
+            for s in [*self._batch, *seqs]:
                 s.cache = None
+        self._batch += seqs
         self._update_gauges()
 
     def _leave(self, leaving: list[int], reasons: dict[int, str | None]) -> None:
@@ -194,8 +289,11 @@ class Engine:
                 self.prefix.store(seq.history[:-1], own)
             self._finish(seq, reasons[i])
             seq.cache = None
-        keep = [i for i in range(len(batch)) if i not in set(leaving)]
+        out = set(leaving)
+        keep = [i for i in range(len(batch)) if i not in out]
         self._batch = [batch[i] for i in keep]
+        if self._step is not None and not any(s in self._batch for s in self._step.rows):
+            self._step = None  # nothing it computed is wanted any more
         if caches is not None and len(keep) < self.batch_from:
             for i, s in zip(keep, self._batch):  # back to one fast single-sequence cache each
                 s.cache = [bc.extract(i) for bc in caches]
@@ -206,101 +304,119 @@ class Engine:
         self._update_gauges()
 
     def _decode_step(self) -> None:
+        """Dispatch the next step on the previous one's (lazy) tokens, then read the previous one back."""
+        step = self._step
+        if step is not None and any(s.generated + 1 >= s.job.max_tokens for s in step.rows):
+            self._collect()  # a row ends by its budget with these tokens: no step past it
+            step = None
+            if not self._batch:
+                return
+        self._step = self._dispatch(step)
+        if step is not None:
+            self._collect(step)
+
+    def _dispatch(self, prev: _Step | None) -> _Step:
         import mlx.core as mx
 
         batch = self._batch
+        lazy: list[int] = []  # rows whose input is prev's sampled token (they come first: joins append)
+        if prev is not None:
+            where = {id(s): j for j, s in enumerate(prev.rows)}
+            lazy = [where[id(s)] for s in batch if id(s) in where]
+        known = [s.next_input for s in batch[len(lazy):]]
+        parts = []
+        if lazy:
+            parts.append(prev.sampled if lazy == list(range(len(prev.rows))) else prev.sampled[mx.array(lazy)])
+        if known:
+            parts.append(mx.array(known, dtype=mx.uint32))  # the samplers' dtype
+        inputs = parts[0] if len(parts) == 1 else mx.concatenate(parts)
         if self._bcache is not None:
-            inputs = mx.array([[s.next_input] for s in batch])
-            logits = self.model(inputs, cache=self._bcache)[:, -1, :]
+            logits = self.model(inputs[:, None], cache=self._bcache)[:, -1, :]
         else:  # one graph per sequence, evaluated together below
-            logits = mx.concatenate([self.model(mx.array([[s.next_input]]), cache=s.cache)[:, -1, :]
-                                     for s in batch], axis=0)
+            logits = mx.concatenate([self.model(inputs[i:i + 1][None], cache=s.cache)[:, -1, :]
+                                     for i, s in enumerate(batch)], axis=0)
         if any(s.processors for s in batch):
             rows = []
             for i, s in enumerate(batch):
                 row = logits[i:i + 1]
                 if s.processors:
-                    context = mx.array(s.history[-s.job.params.repeat_context:])
+                    n = s.job.params.repeat_context
+                    if i >= len(lazy):
+                        context = mx.array(s.history[-n:], dtype=mx.uint32)
+                    elif n > 1:  # the history so far and the token still being computed
+                        context = mx.concatenate([mx.array(s.history[-(n - 1):], dtype=mx.uint32), inputs[i:i + 1]])
+                    else:
+                        context = inputs[i:i + 1]
                     for p in s.processors:
                         row = p(context, row)
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = None
+        if any(s.job.logprobs is not None for s in batch):
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(s.greedy for s in batch):
-            sampled = mx.argmax(logprobs, axis=-1)
+            sampled = mx.argmax(logits, axis=-1)
         else:
-            sampled = mx.concatenate([s.sample(logprobs[i:i + 1]) for i, s in enumerate(batch)], axis=0)
-        mx.eval(sampled)
-        tokens = sampled.tolist()
-        entries = self._logprob_entries(logprobs, tokens)
+            shifted = logits - mx.max(logits, axis=-1, keepdims=True)
+            sampled = mx.concatenate([mx.argmax(shifted[i:i + 1], axis=-1) if s.greedy else s.sample(shifted[i:i + 1])
+                                      for i, s in enumerate(batch)], axis=0)
+        mx.async_eval(sampled, *([logprobs] if logprobs is not None else []))
+        return _Step(list(batch), sampled, logprobs)
+
+    def _collect(self, step: _Step | None = None) -> None:
+        """Read a dispatched step's tokens back: account, detokenise, push; finished rows leave."""
+        if step is None:
+            step, self._step = self._step, None
+        tokens = step.sampled.tolist()
+        entries = self._logprob_entries(step, tokens)
         now = time.perf_counter()
-        self.metrics.batch_size.set(len(batch))
-        if len(batch) > self._peak:
-            self._peak = len(batch)
-            self.metrics.batch_peak.set(self._peak)
+        n = len(step.rows)
+        self.metrics.batch_size.set(n)
+        if n > self._peak:
+            self._peak = n
+            self.metrics.batch_peak.set(n)
+        index = {id(s): i for i, s in enumerate(self._batch)}
         reasons = {}
-        for i, (s, tok) in enumerate(zip(batch, tokens)):
-            reason = self._on_token(s, tok, entries.get(i), now)
+        for j, (s, tok) in enumerate(zip(step.rows, tokens)):
+            i = index.get(id(s))
+            if i is None:  # it left meanwhile (cancelled)
+                continue
+            reason = self._on_token(s, tok, entries.get(j), now)
             if reason is not None:
                 reasons[i] = reason
         if reasons:
             self._leave(sorted(reasons), reasons)
 
-    def _logprob_entries(self, logprobs, tokens: list[int]) -> dict[int, dict]:
+    def _logprob_entries(self, step: _Step, tokens: list[int]) -> dict[int, dict]:
         import mlx.core as mx
 
-        want = [(i, s.job.logprobs) for i, s in enumerate(self._batch) if s.job.logprobs is not None]
+        want = [(j, s.job.logprobs) for j, s in enumerate(step.rows) if s.job.logprobs is not None]
         if not want:
             return {}
-        tok = self.loaded.tokenizer
-        rows = [logprobs[i] for i, _ in want]
+        tok, logprobs = self.loaded.tokenizer, step.logprobs
+        rows = [logprobs[j] for j, _ in want]
         tops = [mx.argpartition(-r, k - 1)[:k] if k else None for r, (_, k) in zip(rows, want)]
         mx.eval(rows, [t for t in tops if t is not None])
         out = {}
-        for (i, k), r, top in zip(want, rows, tops):
+        for (j, k), r, top in zip(want, rows, tops):
             alts = []
             if top is not None:
                 ids = top.tolist()
                 vals = r[top].tolist()
                 alts = sorted(((t, tok.decode([t]), v) for t, v in zip(ids, vals)), key=lambda a: -a[2])
-            out[i] = {"id": tokens[i], "token": tok.decode([tokens[i]]), "logprob": r[tokens[i]].item(), "top": alts}
+            out[j] = {"id": tokens[j], "token": tok.decode([tokens[j]]), "logprob": r[tokens[j]].item(), "top": alts}
         return out
 
     def _on_token(self, s: SeqState, tok: int, entry: dict | None, now: float) -> str | None:
-        """Account one sampled token; emit text; returns the finish reason when the sequence is done."""
+        """Account one sampled token and hand it to its sequence; returns the finish reason when it is done."""
         m = self.metrics
         if s.generated == 0:
             m.ttft.observe(now - s.ticket.arrival)
         else:
             m.itl.observe(now - s.last)
         s.last = now
-        s.generated += 1
         m.generation_tokens.inc()
-        s.history.append(tok)
-        s.next_input = tok
-        if tok in self.loaded.eos_token_ids:
-            return "stop"
-        if entry is not None:
-            s.pending_lp.append(entry)
-        s.detok.add_token(tok)
-        s.text += s.detok.last_segment
-        stops = s.job.stop
-        if stops:
-            found = min((p for p in (s.text.find(x, max(0, s.emitted - len(x))) for x in stops) if p >= 0),
-                        default=-1)
-            if found >= 0:
-                self._emit(s, s.text[s.emitted:found])
-                s.emitted, s.stopped_by_string = len(s.text), True
-                return "stop"
-        safe = len(s.text) - _holdback(s.text, stops)
-        if safe > s.emitted or s.pending_lp:
-            self._emit(s, s.text[s.emitted:safe])
-            s.emitted = max(safe, s.emitted)
-        return "length" if s.generated >= s.job.max_tokens else None
-
-    def _emit(self, s: SeqState, piece: str) -> None:
-        s.ticket.push(("text", piece, s.pending_lp))
-        s.pending_lp = []
+        return s.add(tok, entry, self.loaded.eos_token_ids)
 
     def _finish(self, s: SeqState, reason: str | None) -> None:
         """reason None: cancelled (nothing to say) or timed out (an error the client may still read)."""
@@ -308,15 +424,7 @@ class Engine:
             if not s.ticket.cancelled:
                 s.ticket.push(("error", ApiError(503, "the request timed out", code="timeout")))
             return
-        if not s.stopped_by_string:  # the held-back tail and the detokenizer's last bytes belong to the reply
-            s.detok.finalize()
-            s.text += s.detok.last_segment
-            if len(s.text) > s.emitted or s.pending_lp:
-                self._emit(s, s.text[s.emitted:])
-                s.emitted = len(s.text)
-        usage = {"prompt_tokens": len(s.job.prompt), "completion_tokens": s.generated,
-                 "total_tokens": len(s.job.prompt) + s.generated, "cached_tokens": s.reused}
-        s.ticket.push(("done", reason, usage))
+        s.close(reason)
 
     def _fail_all(self, error: Exception | None) -> None:
         """An exception in a step (or the engine stopping) ends every request it holds with a 500/503."""
@@ -332,7 +440,8 @@ class Engine:
         for t in waiting:
             t.push(("error", err))
         self._prefilling.clear()
-        self._batch, self._bcache = [], None
+        self._group, self._gcache, self._gtokens = [], None, []
+        self._batch, self._bcache, self._step = [], None, None
         if error is not None:
             repair_random_state()
         self._update_gauges()
@@ -341,7 +450,8 @@ class Engine:
         m = self.metrics
         m.running.set(len(self._prefilling) + len(self._batch))
         own = [c for s in [*self._prefilling, *self._batch] if s.cache is not None for c in s.cache]
-        kv = sum(c.nbytes for c in [*(self._bcache or []), *own] if getattr(c, "keys", None) is not None)
+        kv = sum(c.nbytes for c in [*(self._bcache or []), *(self._gcache or []), *own]
+                 if getattr(c, "keys", None) is not None)
         m.kv_bytes.set(kv)
         m.prefix_bytes.set(self.prefix.nbytes)
 

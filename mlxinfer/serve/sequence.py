@@ -6,6 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from ..engine.generate import _holdback
 from ..engine.sampling import make_logits_processors, make_sampler
 from .schemas import Job
 
@@ -37,6 +38,7 @@ class SeqState:
         job = ticket.job
         self.ticket, self.job, self.cache, self.reused = ticket, job, cache, reused
         self.todo = job.prompt[reused:-1]           # prompt tokens still to prefill (the last one is fed by decode)
+        self.started = reused > 0                   # its cache holds tokens already (it cannot join a batched prefill)
         self.next_input = job.prompt[-1]
         self.history = list(job.prompt)             # prompt + generated: what the repetition penalty looks at
         self.generated = 0
@@ -48,6 +50,51 @@ class SeqState:
         self.text, self.emitted, self.last = "", 0, 0.0
         self.pending_lp: list[dict] = []
         self.stopped_by_string = False
+
+    def add(self, tok: int, entry: dict | None, eos: set) -> str | None:
+        """Take one sampled token: emit the text that is safe to show (not a possible stop-string start);
+        returns the finish reason when the sequence is done."""
+        self.generated += 1
+        self.history.append(tok)
+        self.next_input = tok
+        if tok in eos:
+            return "stop"
+        if entry is not None:
+            self.pending_lp.append(entry)
+        self.detok.add_token(tok)
+        self.text += self.detok.last_segment
+        stops = self.job.stop
+        if stops:
+            found = min((p for p in (self.text.find(x, max(0, self.emitted - len(x))) for x in stops) if p >= 0),
+                        default=-1)
+            if found >= 0:
+                self.emit(self.text[self.emitted:found])
+                self.emitted, self.stopped_by_string = len(self.text), True
+                return "stop"
+            safe = len(self.text) - _holdback(self.text, stops)
+        else:
+            safe = len(self.text)
+        if safe > self.emitted or self.pending_lp:
+            self.emit(self.text[self.emitted:safe])
+            self.emitted = max(safe, self.emitted)
+        return "length" if self.generated >= self.job.max_tokens else None
+
+    def emit(self, piece: str) -> None:
+        self.ticket.push(("text", piece, self.pending_lp))
+        self.pending_lp = []
+
+    def close(self, reason: str) -> None:
+        """The held-back tail and the detokenizer's last bytes belong to the reply; then the usage."""
+        if not self.stopped_by_string:
+            self.detok.finalize()
+            self.text += self.detok.last_segment
+            if len(self.text) > self.emitted or self.pending_lp:
+                self.emit(self.text[self.emitted:])
+                self.emitted = len(self.text)
+        prompt = len(self.job.prompt)
+        usage = {"prompt_tokens": prompt, "completion_tokens": self.generated,
+                 "total_tokens": prompt + self.generated, "cached_tokens": self.reused}
+        self.ticket.push(("done", reason, usage))
 
     def sample(self, logprobs):
         """This sequence's sampler on its row. With a seed it draws from its own key (mlx-lm's samplers use the

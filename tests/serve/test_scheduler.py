@@ -1,0 +1,139 @@
+"""The scheduler in this process (no HTTP): what it asks of the model, counted through a wrapper, not timed.
+
+* a burst of fresh prompts is prefilled as one left-padded batched forward, and decodes to the same greedy text
+  as each prompt alone;
+* while streams decode, a burst's prefill goes in rounds of at most ``prefill_chunk`` tokens with decode steps
+  between them;
+* decode is pipelined: step N+1 is handed to the model before step N's token is pushed to its client, and a
+  sequence ending by its token budget costs no step past it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+import mlxinfer
+from mlxinfer.engine.generate import encode_prompt
+from mlxinfer.serve import schemas as s
+from mlxinfer.serve.metrics import Metrics
+from mlxinfer.serve.scheduler import Engine
+from mlxinfer.serve.sequence import Ticket
+
+PROMPTS = ["The sky is", "Once upon a time in a land far away, there lived a", "1, 2, 3,", "Paris is the capital of"]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return mlxinfer.load("smollm2")
+
+
+class Recorder:
+    """The real model, with every forward's input shape (and each ticket push) logged in order."""
+
+    def __init__(self, model, log: list, on_call=None):
+        self._model, self._log, self._on_call = model, log, on_call
+
+    def __getattr__(self, name):  # layers, make_cache... as the real model's
+        return getattr(self._model, name)
+
+    def __call__(self, inputs, *args, **kwargs):
+        self._log.append(("call", tuple(inputs.shape)))
+        if self._on_call is not None:
+            self._on_call(len([e for e in self._log if e[0] == "call"]))
+        return self._model(inputs, *args, **kwargs)
+
+
+class LoggedTicket(Ticket):
+    def __init__(self, job, loop, queue, log):
+        super().__init__(job, loop, queue)
+        self._log = log
+
+    def push(self, event: tuple) -> None:
+        self._log.append(("push", event[0]))
+        super().push(event)
+
+
+def _job(loaded, text: str, n: int) -> s.Job:
+    return s.Job("completion", encode_prompt(loaded, text), mlxinfer.SamplingParams(temperature=0), n)
+
+
+def _run(loaded, texts: list[str], n: int, *, later: list[str] = (), after_calls: int = 0, **engine_kw):
+    """Submit ``texts`` before the engine starts (they wait together); ``later`` ones from inside the model's
+    ``after_calls``-th forward. Returns (texts in order, the log, the engine)."""
+    log: list = []
+    tickets: list = []
+    engine = None
+
+    def on_call(count: int) -> None:
+        if count == after_calls:
+            for t in tickets[len(texts):]:
+                engine.submit(t)
+
+    model = Recorder(loaded.model, log, on_call if later else None)
+    engine = Engine(dataclasses.replace(loaded, model=model), Metrics(), **engine_kw)
+
+    async def go() -> list[str]:
+        loop = asyncio.get_running_loop()
+        for text in [*texts, *later]:
+            tickets.append(LoggedTicket(_job(loaded, text, n), loop, asyncio.Queue(), log))
+        for t in tickets[:len(texts)]:
+            engine.submit(t)
+        engine.start()
+        out = []
+        for t in tickets:
+            pieces = []
+            while True:
+                event = await asyncio.wait_for(t.queue.get(), 120)
+                if event[0] == "text":
+                    pieces.append(event[1])
+                elif event[0] == "done":
+                    break
+                else:
+                    raise AssertionError(event)
+            out.append("".join(pieces))
+        return out
+
+    try:
+        return asyncio.run(go()), log, engine
+    finally:
+        engine.stop()
+
+
+def _alone(loaded, text: str, n: int) -> str:
+    return mlxinfer.generate(loaded, encode_prompt(loaded, text), mlxinfer.SamplingParams(temperature=0, max_tokens=n))
+
+
+def test_a_burst_is_prefilled_in_one_batched_forward_and_decodes_as_each_alone(loaded):
+    out, log, _ = _run(loaded, PROMPTS, 8, parallel=8)
+    calls = [shape for kind, shape in log if kind == "call"]
+    longest = max(len(encode_prompt(loaded, p)) for p in PROMPTS)
+    assert calls[0] == (len(PROMPTS), longest - 1)  # every prompt but its last token, left-padded, at once
+    assert all(shape == (len(PROMPTS), 1) for shape in calls[1:])  # then batched decode steps only
+    assert out == [_alone(loaded, p, 8) for p in PROMPTS]
+
+
+def test_a_burst_while_a_stream_decodes_is_prefilled_in_budgeted_rounds(loaded):
+    # The first request decodes; three more arrive at its third forward; 12 prompt tokens per round at most.
+    later = PROMPTS[1:]
+    out, log, _ = _run(loaded, PROMPTS[:1], 12, later=later, after_calls=3, prefill_chunk=12, parallel=8)
+    calls = [shape for kind, shape in log if kind == "call"]
+    group = [c for c in calls if c[0] == len(later) and c[1] > 1]
+    width = max(len(encode_prompt(loaded, p)) for p in later) - 1
+    assert sum(c[1] for c in group) == width and all(c[0] * c[1] <= 12 for c in group) and len(group) >= 3
+    first, last = calls.index(group[0]), len(calls) - 1 - calls[::-1].index(group[-1])
+    between = calls[first:last + 1]
+    assert sum(1 for c in between if c[1] == 1) >= len(group) - 1  # the running stream stepped between rounds
+    assert out == [_alone(loaded, p, 12) for p in PROMPTS]
+
+
+def test_decode_is_pipelined_and_stops_at_the_token_budget(loaded):
+    n = 6
+    out, log, _ = _run(loaded, ["The sky is"], n, parallel=2)
+    calls = [i for i, e in enumerate(log) if e[0] == "call"]
+    pushes = [i for i, e in enumerate(log) if e == ("push", "text")]
+    assert len(calls) == 1 + n  # the prompt, then one decode step per token: none past the budget
+    assert calls[2] < pushes[0]  # step 2 was handed to the model before token 1 went out
+    assert out == [_alone(loaded, "The sky is", n)]
