@@ -1,6 +1,9 @@
 """config.json is checked before mlx-lm builds anything: not an object, wrong types, absurd sizes and sizes that
 contradict the safetensors headers actually present each get one line naming the file and field, exit 2, fast
-(only the headers are read). Safetensors headers that lie about the data are refused the same way."""
+(only the headers are read). Safetensors headers that lie about the data are refused the same way.
+
+The CLI runs in this process (tests/in_process.py): these are checks of the files; tests/unit/test_cli_errors.py
+refuses broken model files through the real process."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from safety_cli import assert_one_line_error, run, write_tiny_llama
+from in_process import run_in_process
+from safety_cli import assert_one_line_error, write_tiny_llama
 
 from mlxinfer.engine.model_checks import check_model_files, safetensors_header
 from mlxinfer.errors import InvalidModel
@@ -67,7 +71,7 @@ def test_bad_config_is_refused_in_one_line(tiny, tmp_path, case):
     d = _copy(tiny, tmp_path / case)
     (d / "config.json").write_text(json.dumps(transform(_config(tiny))))
     start = time.monotonic()
-    proc = run("generate", str(d), "-p", "hi", "--max-tokens", "2")
+    proc = run_in_process("generate", str(d), "-p", "hi", "--max-tokens", "2")
     elapsed = time.monotonic() - start
     line = assert_one_line_error(proc, *needles)
     assert str(d) in line
@@ -144,7 +148,7 @@ def test_lying_safetensors_headers(tiny, tmp_path, case, needle):
         _write_header(st, {"w": {"dtype": "F32", "shape": [-4, 4], "data_offsets": [0, 64]}}, b"\0" * 64)
     with pytest.raises(InvalidModel, match=needle):
         safetensors_header(st)
-    proc = run("generate", str(d), "-p", "hi", "--max-tokens", "2")
+    proc = run_in_process("generate", str(d), "-p", "hi", "--max-tokens", "2")
     assert_one_line_error(proc, "model.safetensors", needle)
 
 
@@ -152,5 +156,5 @@ def test_lying_safetensors_headers(tiny, tmp_path, case, needle):
 def test_tokenizer_config_that_is_not_an_object(tiny, tmp_path, content):
     d = _copy(tiny, tmp_path / "tok")
     (d / "tokenizer_config.json").write_text(content)
-    assert_one_line_error(run("generate", str(d), "-p", "hi", "--max-tokens", "2"),
+    assert_one_line_error(run_in_process("generate", str(d), "-p", "hi", "--max-tokens", "2"),
                           "tokenizer_config.json is not a JSON object")
