@@ -1,12 +1,16 @@
 """No setting breaks a session: every sampling flag and every /set is validated against the model before any
 generation, with one line naming the setting, its allowed range and the value; the settings precedence is one
-engine function (registry defaults < session < flags) whose names come from SamplingParams."""
+engine function (registry defaults < session < flags) whose names come from SamplingParams.
+
+The refused flags run the CLI in this process (tests/in_process.py); the chat that goes on after bad /set
+commands is a real process."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from in_process import run_in_process
 from safety_cli import assert_one_line_error, error_lines, run, write_tiny_llama
 
 VOCAB = 256      # the tiny llama's vocabulary
@@ -39,7 +43,7 @@ def env(tmp_path) -> dict:
     (("--context", "100000"), ("context 100000", f"between 32 and {CONTEXT}")),
 ])
 def test_chat_flags_are_checked_against_the_model(tiny, env, flags, needles):
-    proc = run("chat", str(tiny), *flags, env=env, input="hello\n")
+    proc = run_in_process("chat", str(tiny), *flags, env=env, input="hello\n")
     assert_one_line_error(proc, *needles)
     assert proc.stdout == ""  # refused before any generation
 
@@ -49,7 +53,7 @@ def test_chat_flags_are_checked_against_the_model(tiny, env, flags, needles):
     (("--min-p", "nan"), ("min_p nan", "[0, 1]")),
 ])
 def test_generate_flags_share_the_validation(tiny, env, flags, needles):
-    assert_one_line_error(run("generate", str(tiny), "-p", "hi", *flags, env=env), *needles)
+    assert_one_line_error(run_in_process("generate", str(tiny), "-p", "hi", *flags, env=env), *needles)
 
 
 def test_every_bad_set_is_one_line_and_the_chat_goes_on(tiny, env):
