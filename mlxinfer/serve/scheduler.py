@@ -39,7 +39,7 @@ from typing import Any
 from ..engine.sampling import repair_random_state
 from .prefix_cache import PrefixCache
 from .schemas import ApiError
-from .sequence import SeqState, Ticket
+from .sequence import PrefillGroup, SeqState, Ticket, logprob_entries
 
 IDLE_PREFILL = 2048  # prompt tokens per forward while no stream decodes (mlx-lm's default prefill step)
 
@@ -63,10 +63,7 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._prefilling: deque[SeqState] = deque()   # every sequence not yet decoding (the group's rows too)
-        self._group: list[SeqState] = []              # fresh prompts prefilled together (rows of _gcache)
-        self._gcache: list | None = None
-        self._gtokens: list[list[int]] = []           # their left-padded prompt tokens, and how many are done
-        self._gdone = 0
+        self._group: PrefillGroup | None = None       # fresh prompts prefilled together
         self._batch: list[SeqState] = []
         self._bcache: list | None = None   # BatchKVCache per layer when batched, else None (each seq has its own)
         self._step: _Step | None = None    # the decode step dispatched and not read back yet
@@ -169,7 +166,8 @@ class Engine:
 
     def _reap(self) -> None:
         """Cancelled and timed-out requests leave (a cancelled one within a token of its client going away). A row
-        of a batched prefill is answered now and dropped from its group's cache when the group is done."""
+        of a batched prefill is answered now and dropped from its group's cache when the group is done (only
+        here, at the start of a round: under ``mlx.launch`` every rank must drop the same rows)."""
         now = time.perf_counter()
         for s in [s for s in self._prefilling if self._gone(s, now)]:
             self._prefilling.remove(s)
@@ -184,14 +182,15 @@ class Engine:
         import mlx.core as mx
 
         budget = self.prefill_chunk if self._batch else max(self.prefill_chunk, IDLE_PREFILL)
-        if not self._group:
+        if self._group is None:
             self._form_group()
-        if self._group:
+        if self._group is not None:
             budget -= self._group_step(budget)
+        grouped = self._group.rows if self._group is not None else ()
         for seq in list(self._prefilling):
             if budget <= 0:
                 break
-            if seq in self._group:
+            if seq in grouped:
                 continue
             chunk, seq.todo = seq.todo[:budget], seq.todo[budget:]
             if chunk:
@@ -205,18 +204,9 @@ class Engine:
 
     def _form_group(self) -> None:
         """Fresh prompts waiting together (two or more) become one left-padded batched prefill."""
-        from mlx_lm.models.cache import BatchKVCache
-
         fresh = [s for s in self._prefilling if not s.started and s.todo]
-        if len(fresh) < 2 or not self._can_group(fresh[0].cache):
-            return
-        width = max(len(s.todo) for s in fresh)
-        pads = [width - len(s.todo) for s in fresh]
-        self._group, self._gdone = fresh, 0
-        self._gtokens = [[0] * p + s.todo for p, s in zip(pads, fresh)]
-        self._gcache = [BatchKVCache(pads) for _ in fresh[0].cache]
-        for s in fresh:
-            s.cache, s.started = None, True
+        if len(fresh) >= 2 and self._can_group(fresh[0].cache):
+            self._group = PrefillGroup(fresh)
 
     def _can_group(self, cache: list) -> bool:
         """Only plain KV caches batch (not rotating or quantized ones): checked once, on a fresh cache."""
@@ -229,29 +219,17 @@ class Engine:
         return self._groupable
 
     def _group_step(self, budget: int) -> int:
-        """The next columns of the group (at least one, ``budget`` tokens over all rows); returns tokens used."""
-        import mlx.core as mx
-
-        rows, done = len(self._group), self._gdone
-        cols = max(1, budget // rows)
-        chunk = [t[done:done + cols] for t in self._gtokens]
-        self.model(mx.array(chunk), cache=self._gcache)
-        mx.eval([c.state for c in self._gcache])
-        self._gdone = done + len(chunk[0])
-        if self._gdone >= len(self._gtokens[0]):
-            group, gcache = self._group, self._gcache
-            self._group, self._gcache, self._gtokens = [], None, []
-            keep = [i for i, s in enumerate(group) if s in self._prefilling]  # the others left (_reap, _drop)
+        """The group's next forward; when it is done its rows still here (not reaped) join the batch."""
+        group = self._group
+        used = group.step(self.model, budget)
+        if group.done:
+            self._group = None
+            keep = [i for i, s in enumerate(group.rows) if s in self._prefilling]
             for i in keep:
-                group[i].todo = []
-                self._prefilling.remove(group[i])
-            if keep and len(keep) < len(group):
-                for c in gcache:
-                    c.filter(keep)
-            group = [group[i] for i in keep]
-            if group:
-                self._join(group, gcache)
-        return rows * len(chunk[0])
+                self._prefilling.remove(group.rows[i])
+            if keep:
+                self._join([group.rows[i] for i in keep], group.rows_cache(keep))
+        return used
 
     # ---- the decode batch -------------------------------------------------------------------------------------
     def _join(self, seqs: list[SeqState], gcache: list | None = None) -> None:
@@ -368,7 +346,7 @@ class Engine:
         if step is None:
             step, self._step = self._step, None
         tokens = step.sampled.tolist()
-        entries = self._logprob_entries(step, tokens)
+        entries = logprob_entries(step.rows, step.logprobs, tokens, self.loaded.tokenizer)
         now = time.perf_counter()
         n = len(step.rows)
         self.metrics.batch_size.set(n)
@@ -386,26 +364,6 @@ class Engine:
                 reasons[i] = reason
         if reasons:
             self._leave(sorted(reasons), reasons)
-
-    def _logprob_entries(self, step: _Step, tokens: list[int]) -> dict[int, dict]:
-        import mlx.core as mx
-
-        want = [(j, s.job.logprobs) for j, s in enumerate(step.rows) if s.job.logprobs is not None]
-        if not want:
-            return {}
-        tok, logprobs = self.loaded.tokenizer, step.logprobs
-        rows = [logprobs[j] for j, _ in want]
-        tops = [mx.argpartition(-r, k - 1)[:k] if k else None for r, (_, k) in zip(rows, want)]
-        mx.eval(rows, [t for t in tops if t is not None])
-        out = {}
-        for (j, k), r, top in zip(want, rows, tops):
-            alts = []
-            if top is not None:
-                ids = top.tolist()
-                vals = r[top].tolist()
-                alts = sorted(((t, tok.decode([t]), v) for t, v in zip(ids, vals)), key=lambda a: -a[2])
-            out[j] = {"id": tokens[j], "token": tok.decode([tokens[j]]), "logprob": r[tokens[j]].item(), "top": alts}
-        return out
 
     def _on_token(self, s: SeqState, tok: int, entry: dict | None, now: float) -> str | None:
         """Account one sampled token and hand it to its sequence; returns the finish reason when it is done."""
@@ -440,7 +398,7 @@ class Engine:
         for t in waiting:
             t.push(("error", err))
         self._prefilling.clear()
-        self._group, self._gcache, self._gtokens = [], None, []
+        self._group = None
         self._batch, self._bcache, self._step = [], None, None
         if error is not None:
             repair_random_state()
@@ -450,7 +408,7 @@ class Engine:
         m = self.metrics
         m.running.set(len(self._prefilling) + len(self._batch))
         own = [c for s in [*self._prefilling, *self._batch] if s.cache is not None for c in s.cache]
-        kv = sum(c.nbytes for c in [*(self._bcache or []), *(self._gcache or []), *own]
+        kv = sum(c.nbytes for c in [*(self._bcache or []), *(self._group.cache if self._group else []), *own]
                  if getattr(c, "keys", None) is not None)
         m.kv_bytes.set(kv)
         m.prefix_bytes.set(self.prefix.nbytes)

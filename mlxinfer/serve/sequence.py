@@ -114,3 +114,63 @@ class SeqState:
         if 0 < p.top_k < x.shape[-1]:
             x = apply_top_k(x, p.top_k)
         return mx.random.categorical(x * (1 / p.temperature), key=key)
+
+
+class PrefillGroup:
+    """Fresh prompts prefilled together: left-padded into one ``BatchKVCache`` per layer (the rows' last prompt
+    tokens are fed by their first decode step), run a few columns per forward."""
+
+    def __init__(self, rows: list[SeqState]):
+        from mlx_lm.models.cache import BatchKVCache
+
+        width = max(len(s.todo) for s in rows)
+        pads = [width - len(s.todo) for s in rows]
+        self.rows, self.done_cols = rows, 0
+        self.tokens = [[0] * p + s.todo for p, s in zip(pads, rows)]
+        self.cache = [BatchKVCache(pads) for _ in rows[0].cache]
+        for s in rows:
+            s.cache, s.todo, s.started = None, [], True
+
+    @property
+    def done(self) -> bool:
+        return self.done_cols >= len(self.tokens[0])
+
+    def step(self, model, budget: int) -> int:
+        """The next columns (at least one; ``budget`` tokens over all rows) through ``model``: tokens used."""
+        import mlx.core as mx
+
+        done = self.done_cols
+        cols = max(1, budget // len(self.rows))
+        chunk = [t[done:done + cols] for t in self.tokens]
+        model(mx.array(chunk), cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.done_cols = done + len(chunk[0])
+        return len(self.rows) * len(chunk[0])
+
+    def rows_cache(self, keep: list[int]) -> list:
+        """The cache of rows ``keep`` (all of them, or the ones still wanted once done)."""
+        if len(keep) < len(self.rows):
+            for c in self.cache:
+                c.filter(keep)
+        return self.cache
+
+
+def logprob_entries(rows: list[SeqState], logprobs, tokens: list[int], tokenizer) -> dict[int, dict]:
+    """Per row that asked for logprobs: its token's logprob and its top alternatives (OpenAI's fields)."""
+    import mlx.core as mx
+
+    want = [(j, s.job.logprobs) for j, s in enumerate(rows) if s.job.logprobs is not None]
+    if not want:
+        return {}
+    lps = [logprobs[j] for j, _ in want]
+    tops = [mx.argpartition(-r, k - 1)[:k] if k else None for r, (_, k) in zip(lps, want)]
+    mx.eval(lps, [t for t in tops if t is not None])
+    out = {}
+    for (j, k), r, top in zip(want, lps, tops):
+        alts = []
+        if top is not None:
+            alts = sorted(((t, tokenizer.decode([t]), v) for t, v in zip(top.tolist(), r[top].tolist())),
+                          key=lambda a: -a[2])
+        out[j] = {"id": tokens[j], "token": tokenizer.decode([tokens[j]]), "logprob": r[tokens[j]].item(),
+                  "top": alts}
+    return out

@@ -60,19 +60,23 @@ def _job(loaded, text: str, n: int) -> s.Job:
     return s.Job("completion", encode_prompt(loaded, text), mlxinfer.SamplingParams(temperature=0), n)
 
 
-def _run(loaded, texts: list[str], n: int, *, later: list[str] = (), after_calls: int = 0, **engine_kw):
+def _run(loaded, texts: list[str], n: int, *, later: list[str] = (), after_calls: int = 0, cancel_at: int = 0,
+         **engine_kw):
     """Submit ``texts`` before the engine starts (they wait together); ``later`` ones from inside the model's
-    ``after_calls``-th forward. Returns (texts in order, the log, the engine)."""
+    ``after_calls``-th forward; at forward ``cancel_at`` the second request's client goes away. Returns (texts
+    in order, None for a cancelled one; the log; the engine)."""
     log: list = []
     tickets: list = []
     engine = None
 
     def on_call(count: int) -> None:
-        if count == after_calls:
+        if later and count == after_calls:
             for t in tickets[len(texts):]:
                 engine.submit(t)
+        if count == cancel_at:
+            engine.cancel(tickets[1])
 
-    model = Recorder(loaded.model, log, on_call if later else None)
+    model = Recorder(loaded.model, log, on_call)
     engine = Engine(dataclasses.replace(loaded, model=model), Metrics(), **engine_kw)
 
     async def go() -> list[str]:
@@ -84,6 +88,9 @@ def _run(loaded, texts: list[str], n: int, *, later: list[str] = (), after_calls
         engine.start()
         out = []
         for t in tickets:
+            if cancel_at and t is tickets[1]:
+                out.append(None)
+                continue
             pieces = []
             while True:
                 event = await asyncio.wait_for(t.queue.get(), 120)
@@ -137,3 +144,13 @@ def test_decode_is_pipelined_and_stops_at_the_token_budget(loaded):
     assert len(calls) == 1 + n  # the prompt, then one decode step per token: none past the budget
     assert calls[2] < pushes[0]  # step 2 was handed to the model before token 1 went out
     assert out == [_alone(loaded, "The sky is", n)]
+
+
+def test_a_request_cancelled_during_a_batched_prefill_leaves_within_a_step(loaded):
+    out, log, engine = _run(loaded, PROMPTS[:3], 8, cancel_at=1, parallel=8)
+    calls = [shape for kind, shape in log if kind == "call"]
+    # Its row is prefilled with the group (the round's decisions are made at its start, as under mlx.launch),
+    # takes at most one decode step, then the other two decode together.
+    assert calls[0][0] == 3 and calls[1] in ((3, 1), (2, 1)) and all(shape == (2, 1) for shape in calls[2:])
+    assert out[1] is None and [out[0], out[2]] == [_alone(loaded, p, 8) for p in (PROMPTS[0], PROMPTS[2])]
+    assert engine.snapshot()["running"] == 0
