@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from in_process import run_in_process
 from safety_cli import MLXINFER, assert_one_line_error, error_lines, run, write_tiny_llama
 
 
@@ -183,7 +184,8 @@ def saved_pair(tiny, tmp_path_factory) -> Path:
 def test_fork_refusals(tiny, saved_pair, env, args, needles):
     shutil.copytree(saved_pair, sessions(env))
     before = {p.name: p.read_bytes() for p in sessions(env).iterdir()}
-    assert_one_line_error(run("chat", str(tiny), *args, *FLAGS, env=env, input="hi\n"), *needles)
+    # The flags are refused before the session is touched: the test process stands in for the CLI's.
+    assert_one_line_error(run_in_process("chat", str(tiny), *args, *FLAGS, env=env, input="hi\n"), *needles)
     assert {p.name: p.read_bytes() for p in sessions(env).iterdir()} == before
 
 
