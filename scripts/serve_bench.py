@@ -11,7 +11,9 @@ latency p50/p99 and aggregate generated tokens/s (usage numbers when the server 
     # an already running server:
     python scripts/serve_bench.py --url http://127.0.0.1:8080 --concurrency 1,8
 
-Run it on a quiet machine: it measures the machine as much as the server.
+Run it on a quiet machine: it measures the machine as much as the server. Each row also gives the load average
+at its end and, for servers the script started, the server process's CPU time per generated token (user + system,
+from /proc): on a shared machine that moves much less with the other load than the wall-clock numbers do.
 """
 
 from __future__ import annotations
@@ -69,7 +71,16 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, i: int, a
     return {"start": start, "end": time.perf_counter(), "times": times, "tokens": tokens}
 
 
-async def run_level(url: str, model: str, clients: int, args) -> dict:
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of process ``pid`` (Linux /proc), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
+async def run_level(url: str, model: str, clients: int, args, pid: int | None = None) -> dict:
     counter = iter(range(10**9))
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
@@ -79,16 +90,17 @@ async def run_level(url: str, model: str, clients: int, args) -> dict:
             return [await one_request(client, url, model, next(counter) + 1000 * clients, args)
                     for _ in range(args.requests)]
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu_seconds(pid)
         results = [r for rs in await asyncio.gather(*(worker() for _ in range(clients))) for r in rs]
-        wall = time.perf_counter() - t0
+        wall, cpu1 = time.perf_counter() - t0, cpu_seconds(pid)
     ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
     tokens = sum(r["tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "wall_s": wall, "req_per_s": len(results) / wall,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99),
-            "tokens": tokens, "aggregate_tok_s": tokens / wall}
+            "tokens": tokens, "aggregate_tok_s": tokens / wall, "load_avg_1m": os.getloadavg()[0],
+            "server_cpu_ms_per_token": (cpu1 - cpu0) / tokens * 1e3 if cpu0 is not None and cpu1 and tokens else None}
 
 
 def free_port() -> int:
@@ -133,12 +145,15 @@ HEADERS: dict = {}
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| engine | clients | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | aggregate tok/s |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| engine | clients | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | aggregate tok/s | "
+           "server CPU ms/token | load |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
+        cpu = r.get("server_cpu_ms_per_token")
         out.append(f"| {r['engine']} | {r['clients']} | {r['req_per_s']:.2f} | {r['ttft_p50_s'] * 1e3:.0f} | "
                    f"{r['ttft_p99_s'] * 1e3:.0f} | {r['itl_p50_s'] * 1e3:.1f} | {r['itl_p99_s'] * 1e3:.1f} | "
-                   f"{r['aggregate_tok_s']:.1f} |")
+                   f"{r['aggregate_tok_s']:.1f} | {'—' if cpu is None else f'{cpu:.1f}'} | "
+                   f"{r['load_avg_1m']:.1f} |")
     return "\n".join(out)
 
 
@@ -170,7 +185,7 @@ def main() -> int:
             url, name = args.url.rstrip("/"), args.model
         try:
             for n in levels:
-                row = {"engine": label, **asyncio.run(run_level(url, name, n, args))}
+                row = {"engine": label, **asyncio.run(run_level(url, name, n, args, proc.pid if proc else None))}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
         finally:
