@@ -58,16 +58,17 @@ def _restore_logging(undo) -> None:
 
 
 def run_in_process(*args: str, env: dict | None = None, input: str | bytes | None = None,
-                   timeout: float | None = None) -> subprocess.CompletedProcess:
+                   cwd: str | os.PathLike | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
     """``mlxinfer ARGS`` through ``mlxinfer.cli.main.main``; ``env`` is added to this process's environment for the
-    call (MLXINFER_DEBUG is unset unless given), stdin holds ``input`` (empty when None, as /dev/null would).
+    call (MLXINFER_DEBUG is unset unless given), stdin holds ``input`` (empty when None, as /dev/null would), and
+    ``cwd`` is the working directory during the call.
     stdout/stderr are text (undecodable bytes replaced), or bytes when ``input`` is bytes, as ``safety_cli.run``.
     ``timeout`` is accepted (as the subprocess runners take it) and not enforced."""
     from mlxinfer.cli import main as cli
 
     data = input.encode() if isinstance(input, str) else (input or b"")
     out, err = io.BytesIO(), io.BytesIO()
-    saved_env = dict(os.environ)
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
     saved_streams, saved_argv = (sys.stdin, sys.stdout, sys.stderr), sys.argv
     # main() installs SIGTERM/SIGHUP handlers as in a real run; pytest's own are put back afterwards.
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
@@ -80,6 +81,8 @@ def run_in_process(*args: str, env: dict | None = None, input: str | bytes | Non
     sys.argv = ["mlxinfer", *map(str, args)]  # click names the program after it in usage lines
     logging_undo = _log_to(streams[2])
     try:
+        if cwd is not None:
+            os.chdir(cwd)
         with warnings.catch_warnings():
             warnings.resetwarnings()
             for action, category, module in reversed(_PYTHON_DEFAULT_FILTERS):
@@ -89,6 +92,7 @@ def run_in_process(*args: str, env: dict | None = None, input: str | bytes | Non
     finally:
         sys.stdin, sys.stdout, sys.stderr = saved_streams
         sys.argv = saved_argv
+        os.chdir(saved_cwd)
         _restore_logging(logging_undo)
         for stream in streams:
             try:

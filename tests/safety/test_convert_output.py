@@ -3,7 +3,8 @@
 Empty, ``.``, the current directory, home, ``/``, the source and any folder around or inside it are refused
 with ``--force`` too; ``--force`` replaces only a directory of model files and names what would have been lost
 otherwise; a path below a file, in /proc or on a read-only file system gets one line naming that. Every case runs
-the real CLI and checks that the files it could have touched are byte for byte as before."""
+the CLI (the 22 refused -o values in this process, the others as a real process) and checks that the files it
+could have touched are byte for byte as before."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from in_process import run_in_process
 from safety_cli import assert_one_line_error, run, write_tiny_llama
 
 
@@ -38,8 +40,8 @@ def world(tmp_path, tiny):
     return {"work": work, "home": home, "project": project, "source": project / "model", "root": tmp_path}
 
 
-def _convert(world, out: str, *extra: str, source: Path | None = None) -> subprocess.CompletedProcess:
-    return run("convert", str(source or world["source"]), "-o", out, "--bits", "4", "--no-eval", *extra,
+def _convert(world, out: str, *extra: str, source: Path | None = None, runner=run) -> subprocess.CompletedProcess:
+    return runner("convert", str(source or world["source"]), "-o", out, "--bits", "4", "--no-eval", *extra,
                cwd=world["work"], env={"HOME": str(world["home"])})
 
 
@@ -70,7 +72,8 @@ def _link(world, target: Path) -> str:
 def test_dangerous_outputs_are_refused(world, case, force):
     out_of, needles = REFUSED[case]
     before = snapshot(world["root"])
-    proc = _convert(world, out_of(world), *(["--force"] if force else []))
+    # Refused before any work: the CLI runs in this process (tests/in_process.py), the cases below in a real one.
+    proc = _convert(world, out_of(world), *(["--force"] if force else []), runner=run_in_process)
     assert_one_line_error(proc, *needles)
     after = snapshot(world["root"])
     after.pop("link", None)
