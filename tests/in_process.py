@@ -10,12 +10,14 @@ anything done at import time) keeps its subprocess tests.
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 
 # What a fresh interpreter does with warnings (pytest records them instead): shown once per place, on stderr,
@@ -49,25 +51,40 @@ def _log_to(stream) -> list:
     return undo
 
 
-def _restore_logging(undo) -> None:
+def _restore_logging(undo, ours, stderr) -> None:
+    """Put back what ``_log_to`` changed, and point handlers made during the call (bound to ``ours``, the call's
+    stderr) at ``stderr``."""
     for handler, old in reversed(undo):
         if handler is None:
             logging.getLogger().handlers = old
         else:
             handler.setStream(old)
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for h in getattr(logger, "handlers", []):
+            if isinstance(h, logging.StreamHandler) and h.stream is ours:
+                h.setStream(stderr)
+
+
+class _Buffer(io.BytesIO):
+    """Stays readable after its text wrapper is dropped (which closes what it wraps)."""
+
+    def close(self) -> None:
+        pass
 
 
 def run_in_process(*args: str, env: dict | None = None, input: str | bytes | None = None,
-                   cwd: str | os.PathLike | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
+                   cwd: str | os.PathLike | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``mlxinfer ARGS`` through ``mlxinfer.cli.main.main``; ``env`` is added to this process's environment for the
     call (MLXINFER_DEBUG is unset unless given), stdin holds ``input`` (empty when None, as /dev/null would), and
     ``cwd`` is the working directory during the call.
     stdout/stderr are text (undecodable bytes replaced), or bytes when ``input`` is bytes, as ``safety_cli.run``.
-    ``timeout`` is accepted (as the subprocess runners take it) and not enforced."""
+    A runaway input must fail, not hang CI, as a subprocess would be killed: after ``timeout`` seconds the call is
+    interrupted as by Ctrl-C (the CLI then exits 130, with a note on its stderr), and if it is stuck in C code the
+    whole test run ends after twice that, with every thread's traceback."""
     from mlxinfer.cli import main as cli
 
     data = input.encode() if isinstance(input, str) else (input or b"")
-    out, err = io.BytesIO(), io.BytesIO()
+    out, err = _Buffer(), _Buffer()
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     saved_streams, saved_argv = (sys.stdin, sys.stdout, sys.stderr), sys.argv
     # main() installs SIGTERM/SIGHUP handlers as in a real run; pytest's own are put back afterwards.
@@ -80,6 +97,17 @@ def run_in_process(*args: str, env: dict | None = None, input: str | bytes | Non
     sys.stdin, sys.stdout, sys.stderr = streams
     sys.argv = ["mlxinfer", *map(str, args)]  # click names the program after it in usage lines
     logging_undo = _log_to(streams[2])
+    timed_out: list[bool] = []
+
+    def interrupt() -> None:
+        timed_out.append(True)
+        import _thread
+
+        _thread.interrupt_main()
+
+    watchdog = threading.Timer(timeout, interrupt)
+    watchdog.start()
+    faulthandler.dump_traceback_later(2 * timeout, exit=True, file=sys.__stderr__)
     try:
         if cwd is not None:
             os.chdir(cwd)
@@ -89,17 +117,20 @@ def run_in_process(*args: str, env: dict | None = None, input: str | bytes | Non
                 warnings.filterwarnings(action, category=category, module=module or "")
             warnings.showwarning = _show_warning
             code = cli.main([str(a) for a in args])
+        if timed_out:
+            print(f"run_in_process: still running after {timeout} s, interrupted", file=sys.stderr)
     finally:
+        watchdog.cancel()
+        faulthandler.cancel_dump_traceback_later()
         sys.stdin, sys.stdout, sys.stderr = saved_streams
         sys.argv = saved_argv
         os.chdir(saved_cwd)
-        _restore_logging(logging_undo)
+        _restore_logging(logging_undo, streams[2], saved_streams[2])
         for stream in streams:
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-            stream.detach()  # leaves the BytesIO open for reading below
         os.environ.clear()
         os.environ.update(saved_env)
         for s, handler in saved_signals.items():

@@ -1,6 +1,7 @@
-"""GGUF files whose metadata lies or whose tensors contradict it: each is refused by the real CLI with one line
-naming the key or tensor, exit 2, fast, and nothing in $MLXINFER_CACHE afterwards (validated before any byte is
-written). The files are tiny llamas crafted here with ``gguf.GGUFWriter``; an untouched one imports and runs."""
+"""GGUF files whose metadata lies or whose tensors contradict it: each is refused by the CLI with one line naming
+the key or tensor, exit 2, fast, and nothing in $MLXINFER_CACHE afterwards (validated before any byte is written).
+The files are tiny llamas crafted here with ``gguf.GGUFWriter``; an untouched one imports and runs. The refusals
+run the CLI in this process (tests/in_process.py); convert's refusal and the untouched file run a real one."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from in_process import run_in_process
 from safety_cli import assert_one_line_error, run
 
 H, LAYERS, HEADS, KV, FF = 64, 2, 4, 2, 128
@@ -143,7 +145,8 @@ def test_hostile_gguf_is_refused_before_anything_is_written(tmp_path, case):
         patch(path)
     cache = tmp_path / "cache"
     started = time.monotonic()
-    proc = run("generate", str(path), "-p", "hi", "-n", "1", env={"MLXINFER_CACHE": str(cache)}, timeout=120)
+    proc = run_in_process("generate", str(path), "-p", "hi", "-n", "1", env={"MLXINFER_CACHE": str(cache)},
+                          timeout=120)
     assert_one_line_error(proc, *needles)
     assert time.monotonic() - started < 60
     assert _cache_files(cache) == []
