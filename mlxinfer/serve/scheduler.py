@@ -16,10 +16,12 @@ boundaries.
   (RoPE, KV update and attention native with per-row positions, ``kernels.kv_cache.NativeBatchKVCache``) and
   from 2 sequences on costs less than their single steps (SmolLM2, CPU time per step: 1 seq 20 ms, batched 2 /
   4 / 8 28 / 40 / 73-87 ms; before the native batched path 2 seqs were slower batched).
-* Decode is pipelined as mlx-lm's ``generate_step``: step N+1 is built on step N's sampled tokens (still lazy) and
-  handed to ``mx.async_eval`` before step N's tokens are read back, detokenised and pushed, so the graph building
-  and the per-token Python work overlap the model's evaluation. A sequence that ends on EOS or a stop string has
-  then run one step too many (dropped); one that ends by its token budget is read back first and runs none.
+* Decode is pipelined: step N+1's graph is built on step N's sampled tokens (still lazy) while step N evaluates,
+  then step N's tokens are read back, detokenised and pushed, then step N+1 goes to ``mx.async_eval``. (mlx-lm's
+  ``generate_step`` starts N+1 before reading N back; on the CPU ``async_eval`` returns only when at most ~10 ops
+  are left to run, so that order would hold every token back by most of a step.) A sequence that ends on EOS or a
+  stop string has a row in the graph already built (dropped; no step runs once every row has left); one that
+  ends by its token budget is read back before the next graph is built.
 * Each sequence keeps its own sampler, logits processors, random state (a ``seed`` reproduces its output whatever
   else runs), stop strings, token budget and logprobs setting. ``logsumexp`` runs only when a row wants logprobs
   (the samplers are shift-invariant: they get the logits minus their max, as ``engine.steps`` does).
@@ -282,7 +284,9 @@ class Engine:
         self._update_gauges()
 
     def _decode_step(self) -> None:
-        """Dispatch the next step on the previous one's (lazy) tokens, then read the previous one back."""
+        """Build the next step on the previous one's (lazy) tokens, read the previous one back, start the next."""
+        import mlx.core as mx
+
         step = self._step
         if step is not None and any(s.generated + 1 >= s.job.max_tokens for s in step.rows):
             self._collect()  # a row ends by its budget with these tokens: no step past it
@@ -291,9 +295,12 @@ class Engine:
                 return
         self._step = self._dispatch(step)
         if step is not None:
-            self._collect(step)
+            self._collect(step)  # may drop self._step when every row has left
+        if self._step is not None:
+            mx.async_eval(self._step.sampled, *([self._step.logprobs] if self._step.logprobs is not None else []))
 
     def _dispatch(self, prev: _Step | None) -> _Step:
+        """The next step's graph (not evaluated yet) for the batch as it is now."""
         import mlx.core as mx
 
         batch = self._batch
@@ -338,7 +345,6 @@ class Engine:
             shifted = logits - mx.max(logits, axis=-1, keepdims=True)
             sampled = mx.concatenate([mx.argmax(shifted[i:i + 1], axis=-1) if s.greedy else s.sample(shifted[i:i + 1])
                                       for i, s in enumerate(batch)], axis=0)
-        mx.async_eval(sampled, *([logprobs] if logprobs is not None else []))
         return _Step(list(batch), sampled, logprobs)
 
     def _collect(self, step: _Step | None = None) -> None:
