@@ -6,8 +6,10 @@ boundaries.
   arrivals pays one prefill, not 8 interleaved with decode steps; the batched forward also costs a little less
   CPU than the 8 single ones). A lone prompt, or one continuing a prefix-cache hit, prefills alone on a plain
   ``KVCache`` (the fast single-sequence path).
-* Prefill runs in rounds of at most ``prefill_chunk`` prompt tokens between two decode steps while streams are
-  decoding (they keep flowing), and ``IDLE_PREFILL`` tokens per forward when none is (nothing to wait for).
+* Prefill runs in rounds between two decode steps while streams are decoding (they keep flowing): at most
+  ``prefill_chunk`` prompt tokens per round times the number of waiting prompts per decoding stream (7 prompts
+  arriving while 1 stream decodes stall it once for all 7, not 7 times for the same work), capped at
+  ``IDLE_PREFILL``; and ``IDLE_PREFILL`` tokens per forward when no stream decodes (nothing to wait for).
 * Prefilled sequences join the decode batch. Below ``batch_from`` sequences each decodes on its own plain
   ``KVCache`` (the native one-op-per-layer path; their steps are evaluated together); from ``batch_from`` on they
   share a left-padded ``BatchKVCache`` (mlx-lm's ``merge``/``extend``/``filter``/``extract``: one forward pass
@@ -183,7 +185,8 @@ class Engine:
         """One round of prompt tokens between two decode steps: the batched group first, then single prompts."""
         import mlx.core as mx
 
-        budget = self.prefill_chunk if self._batch else max(self.prefill_chunk, IDLE_PREFILL)
+        share = max(1, len(self._prefilling) // len(self._batch)) if self._batch else IDLE_PREFILL
+        budget = max(self.prefill_chunk, min(self.prefill_chunk * share, IDLE_PREFILL))
         if self._group is None:
             self._form_group()
         if self._group is not None:

@@ -2,8 +2,8 @@
 
 * a burst of fresh prompts is prefilled as one left-padded batched forward, and decodes to the same greedy text
   as each prompt alone;
-* while streams decode, a burst's prefill goes in rounds of at most ``prefill_chunk`` tokens with decode steps
-  between them;
+* while streams decode, a burst's prefill goes in rounds of ``prefill_chunk`` tokens per waiting prompt per
+  decoding stream, with decode steps between them;
 * decode is pipelined: step N+1 is handed to the model before step N's token is pushed to its client, and a
   sequence ending by its token budget costs no step past it.
 """
@@ -122,18 +122,25 @@ def test_a_burst_is_prefilled_in_one_batched_forward_and_decodes_as_each_alone(l
     assert out == [_alone(loaded, p, 8) for p in PROMPTS]
 
 
-def test_a_burst_while_a_stream_decodes_is_prefilled_in_budgeted_rounds(loaded):
-    # The first request decodes; three more arrive at its third forward; 12 prompt tokens per round at most.
-    later = PROMPTS[1:]
-    out, log, _ = _run(loaded, PROMPTS[:1], 12, later=later, after_calls=3, prefill_chunk=12, parallel=8)
-    calls = [shape for kind, shape in log if kind == "call"]
+LONG = ["Once upon a time in a land far away, there lived a", "The quick brown fox jumps over the lazy dog, and then"]
+
+
+@pytest.mark.parametrize("running, later, budget", [
+    (["The sky is", "1, 2, 3,"], LONG, 12),                   # 2 prompts per 2 streams: 12 tokens a round
+    (["The sky is"], [*LONG, "Paris is the capital of"], 36),  # 3 prompts per stream: 3 x 12 a round
+])
+def test_a_burst_while_streams_decode_is_prefilled_in_budgeted_rounds(loaded, running, later, budget):
+    # ``running`` decode; ``later`` arrive at the third forward (a decode step); prefill_chunk 12.
+    out, log, _ = _run(loaded, running, 12, later=later, after_calls=3, prefill_chunk=12, parallel=8)
+    calls = [shape for kind, shape in log if kind == "call"][3:]  # from the arrival on
     group = [c for c in calls if c[0] == len(later) and c[1] > 1]
     width = max(len(encode_prompt(loaded, p)) for p in later) - 1
-    assert sum(c[1] for c in group) == width and all(c[0] * c[1] <= 12 for c in group) and len(group) >= 3
+    assert sum(c[1] for c in group) == width and all(c[0] * c[1] <= budget for c in group)
+    assert len(group) == -(-width // (budget // len(later)))  # as many rounds as the budget needs, no more
     first, last = calls.index(group[0]), len(calls) - 1 - calls[::-1].index(group[-1])
     between = calls[first:last + 1]
-    assert sum(1 for c in between if c[1] == 1) >= len(group) - 1  # the running stream stepped between rounds
-    assert out == [_alone(loaded, p, 12) for p in PROMPTS]
+    assert sum(1 for c in between if c[1] == 1) >= len(group) - 1  # the running streams stepped between rounds
+    assert out == [_alone(loaded, p, 12) for p in [*running, *later]]
 
 
 def test_decode_is_pipelined_and_stops_at_the_token_budget(loaded):
