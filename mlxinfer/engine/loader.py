@@ -132,9 +132,9 @@ def _eos_ids(path: Path, config: dict) -> list[int]:
 
 def load_model_dir(path: Path, *, lazy: bool = False):
     """mlx-lm builds the model from the directory; returns (model, config). Errors become one clear line."""
-    from mlx_lm.utils import load_model
-
     config = check_model_dir(path)
+    from mlx_lm.utils import load_model  # after the checks: importing mlx-lm and transformers takes seconds
+
     try:
         return load_model(path, lazy=lazy, trust_remote_code=False)
     except MlxinferError:

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from in_process import run_in_process
 from safety_cli import MLXINFER, assert_one_line_error, error_lines, run, write_tiny_llama
 
 
@@ -33,14 +34,15 @@ def long_reply(tiny: Path) -> list[str]:
     return [*MLXINFER, "generate", str(tiny), "-p", "hello", "--temp", "0", "-n", "90000"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (("generate", "--bogus"), "No such option: --bogus"),
-    (("bench", "--bogus"), "No such option: --bogus"),
-    (("generate", "-p"), "Option '-p' requires an argument"),
-    (("generate", "x", "-n", "many"), "Invalid value for '--max-tokens'"),
-])
-def test_usage_errors_exit_2_with_clicks_usage_line(env, args, message):
-    proc = run(*args, env=env)
+@pytest.mark.parametrize("runner, args, message", [
+    (run, ("generate", "--bogus"), "No such option: --bogus"),
+    # the same handler: in this process (tests/in_process.py), without a subprocess each
+    (run_in_process, ("bench", "--bogus"), "No such option: --bogus"),
+    (run_in_process, ("generate", "-p"), "Option '-p' requires an argument"),
+    (run_in_process, ("generate", "x", "-n", "many"), "Invalid value for '--max-tokens'"),
+], ids=["process-generate-bogus", "bench-bogus", "missing-value", "bad-int"])
+def test_usage_errors_exit_2_with_clicks_usage_line(env, runner, args, message):
+    proc = runner(*args, env=env)
     lines = error_lines(proc)
     assert proc.returncode == 2, lines
     assert lines[0].startswith("Usage: ") and any(message in line for line in lines), lines

@@ -94,7 +94,10 @@ def test_truncated_gguf(bundled_gguf, tmp_path):
     (["--max-tokens", "0"], "max_tokens"),
 ])
 def test_invalid_sampling_values(flags, needle):
-    assert_one_line_error(run("generate", "-p", "hi", *flags), needle)
+    """Flag validation alone: the CLI runs in this process (tests/in_process.py); the cases around it run it."""
+    from in_process import run_in_process
+
+    assert_one_line_error(run_in_process("generate", "-p", "hi", *flags), needle)
 
 
 def test_missing_prompt():

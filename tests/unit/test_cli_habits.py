@@ -52,6 +52,13 @@ def test_bash_completion_completes_commands():
     ("show", "mlxinfer show smollm2"),
 ])
 def test_help_shows_examples(command, example):
-    proc = subprocess.run([sys.executable, "-m", "mlxinfer", command, "--help"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"})
+    """The help text in this process (tests/in_process.py); `models --help` also as the real process."""
+    from in_process import run_in_process
+
+    env = {"COLUMNS": "200", "NO_COLOR": "1"}
+    proc = run_in_process(command, "--help", env=env)
     assert proc.returncode == 0 and "Examples" in proc.stdout and example in proc.stdout, proc.stdout
+    if command == "models":
+        real = subprocess.run([sys.executable, "-m", "mlxinfer", command, "--help"], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **env})
+        assert real.returncode == 0 and real.stderr == "" and example in real.stdout, real.stdout
