@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_in_process
 from safety_cli import assert_one_line_error, run, write_tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "hub"))
@@ -117,7 +118,9 @@ def test_every_way_of_asking_for_code_is_refused(tiny, tmp_path, marker, case, n
     }
     path, change = edits[case]
     _edit(path, **change)
-    proc = run("generate", str(d), "-p", "hi", "--max-tokens", "2", input="y\n", env=_env(tmp_path))
+    # Refused from the files alone, before any tokenizer or Hub call: the CLI runs in this process
+    # (tests/in_process.py), where code that ran would write the marker as well; the tests around run real ones.
+    proc = run_in_process("generate", str(d), "-p", "hi", "--max-tokens", "2", input="y\n", env=_env(tmp_path))
     line = assert_one_line_error(proc, *needles)
     assert str(d) in line
     assert not marker.exists()
