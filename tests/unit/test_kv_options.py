@@ -207,9 +207,11 @@ def test_cli_generate_with_kv_bits_json_and_refusals():
     assert "Paris" in out["text"] and out["kv_cache"]["kv_bits"] == 8
     if out["kernels"] != "builtin":
         assert "step aside" in out["kv_cache"]["kernel_note"]
+    from in_process import run_in_process  # refused before loading: no subprocess needed
+
     for args, needle in ((("--kv-bits", "3"), "invalid --kv-bits 3"),
                          (("--kv-bits", "8", "--max-kv-size", "64"), "cannot be combined")):
-        p = run("generate", "smollm2", "-p", "hi", *args)
+        p = run_in_process("generate", "smollm2", "-p", "hi", *args, env={"MLXINFER_KERNELS": "auto"})
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
 
