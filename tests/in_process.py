@@ -5,7 +5,8 @@ a parametrised list of one-line refusals costs. Here the same entry point (the o
 with the caller's argv, environment and stdin, and its stdout, stderr and exit code come back as a
 ``subprocess.CompletedProcess``; warnings and log records reach that stderr as in a fresh interpreter. What only a
 real process shows (``sys.exit``, signals, output written by C code straight to a descriptor, closed descriptors,
-anything done at import time) keeps its subprocess tests.
+anything done at import time, such as huggingface_hub reading HF_HOME and HF_HUB_OFFLINE) keeps its subprocess
+tests.
 """
 
 from __future__ import annotations
