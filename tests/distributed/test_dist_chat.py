@@ -99,4 +99,8 @@ def test_ctrl_c_in_the_launchers_terminal_ends_every_rank(tiny):
     finally:
         term.close()
     out = bytes(term.out).decode("utf-8", "replace")
-    assert out.count("exited with code 130") == 2, out[-600:]  # both ranks, as the launcher's threads saw them
+    # Both ranks end, as the launcher's threads saw them: 130 from the Ctrl-C; on a loaded machine the launcher may
+    # reach a rank still unwinding with its own SIGTERM once the other has exited (-15), which is also an end.
+    ends = re.findall(r"rank (\d) exited with code (-?\d+)", out)
+    assert sorted(r for r, _ in ends) == ["0", "1"], out[-600:]
+    assert "130" in {c for _, c in ends} and {c for _, c in ends} <= {"130", "-15"}, out[-600:]
