@@ -115,6 +115,25 @@ void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_
   }
 }
 
+// x for KernelSet::int8_x decode kernels (4-bit weights): as prep_int16_x, rounded to int8 (d = max|x| / 127).
+void prep_int8_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, std::vector<QmmArgs>& args) {
+  thread_local std::vector<int8_t> xb;
+  thread_local std::vector<float> xd, xs;
+  const int kpad = (K + 63) / 64 * 64;
+  const int gpad = (K / group_size + 1 + 15) / 16 * 16;
+  xb.assign((size_t)M * kpad, 0);
+  xd.assign((size_t)M * gpad, 0.f);
+  xs.assign((size_t)M * gpad, 0.f);
+  ks.prep_x8(xf, M, K, group_size, kpad, gpad, xb.data(), xd.data(), xs.data());
+  for (auto& a : args) {
+    a.xb = xb.data();
+    a.xd = xd.data();
+    a.xsum = xs.data();
+    a.kpad = kpad;
+    a.gpad = gpad;
+  }
+}
+
 // Store float32 results into out (float32: already there; float16/bfloat16: rounded once).
 template <typename F>
 void store_out(mx::array& out, size_t count, F value) {
@@ -250,7 +269,9 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
   }
   const int T = pool.size();
 
-  if (M <= 8 && ks.int16_x) {
+  if (M <= 8 && ks.int8_x && bits == 4) {
+    prep_int8_x(ks, xf, M, K, group_size, args);
+  } else if (M <= 8 && ks.int16_x) {
     prep_int16_x(ks, xf, M, K, group_size, bits, args);
   } else if (M <= 8) {
     xprep.resize((size_t)M * K);
