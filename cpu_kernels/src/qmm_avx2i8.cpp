@@ -176,10 +176,11 @@ static void qmv_group(const QmmArgs& a, int n0, int n1) {
   }
 }
 
-static QmvFn int16_qmv = nullptr;  // 8-bit weights: qmm_avx2int.cpp's kernel (x prepared as int16 for them)
+// 8-bit weights, or int8 x turned off (set_int8_decode): qmm_avx2int.cpp's kernel on the int16 x prepared then.
+static QmvFn int16_qmv = nullptr;
 
 static void qmv(const QmmArgs& a, int n0, int n1) {
-  if (a.bits != 4) return int16_qmv(a, n0, n1);
+  if (a.bits != 4 || a.xb == nullptr) return int16_qmv(a, n0, n1);
   switch (a.M) {
     case 1: return qmv_group<1>(a, n0, n1);
     case 2: return qmv_group<2>(a, n0, n1);

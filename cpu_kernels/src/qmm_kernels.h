@@ -83,6 +83,10 @@ KernelSet neon_kernels();
 // (x86) or generic|neon (arm64).
 const KernelSet& select_kernels();
 
+// On (default): 4-bit decode matvecs of an int8_x set (avx2i8) round x to int8; off: to int16 as avx2 does.
+// In quantized.cpp.
+void set_int8_decode(bool on);
+
 }  // namespace mlxinfer_cpu
 
 namespace mlxinfer_cpu {

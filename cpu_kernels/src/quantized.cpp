@@ -3,6 +3,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -86,6 +87,9 @@ const float* x_as_float(const mx::array& x, std::vector<float>& buf) {
 }
 
 constexpr int64_t kSerialWeights = 128 * 1024;
+
+// Off: KernelSet::int8_x sets prepare int16 x instead (the load-time self-check compares formulas, not rounding).
+std::atomic<bool> int8_decode{true};
 
 // Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
 inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
@@ -239,6 +243,8 @@ std::vector<RowTask> split_rows(const std::vector<QmmArgs>& args, int rows) {
 }
 }  // namespace
 
+void set_int8_decode(bool on) { int8_decode.store(on, std::memory_order_relaxed); }
+
 void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {
   thread_local std::vector<float> xbuf;
   const int K = x.shape(-1);
@@ -269,7 +275,7 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
   }
   const int T = pool.size();
 
-  if (M <= 8 && ks.int8_x && bits == 4) {
+  if (M <= 8 && ks.int8_x && bits == 4 && int8_decode.load(std::memory_order_relaxed)) {
     prep_int8_x(ks, xf, M, K, group_size, args);
   } else if (M <= 8 && ks.int16_x) {
     prep_int16_x(ks, xf, M, K, group_size, bits, args);

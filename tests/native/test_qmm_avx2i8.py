@@ -91,6 +91,16 @@ _PARITY = textwrap.dedent(
             truth = np.array(x @ mx.dequantize(q, s, b, group_size=gs, bits=8).T)
             if np.abs(out - truth).max() / np.abs(truth).max() > 1e-4:
                 sys.exit(f"8-bit gs={gs} M={M} mismatch")
+    # set_int8_decode(False) (the load-time self-check's setting): the int16 x kernel, avx2's 1e-4.
+    q, s, b = mx.quantize(mx.random.normal((70, 576)), group_size=32, bits=4)
+    x = mx.random.normal((3, 576))
+    truth = x @ mx.dequantize(q, s, b, group_size=32, bits=4).T
+    ext.set_int8_decode(False)
+    off = (mx.abs(ext.quantized_matmul(x, q, s, b, group_size=32, bits=4) - truth).max() / mx.abs(truth).max()).item()
+    ext.set_int8_decode(True)
+    on = (mx.abs(ext.quantized_matmul(x, q, s, b, group_size=32, bits=4) - truth).max() / mx.abs(truth).max()).item()
+    if not (off < 1e-4 < on):
+        sys.exit(f"set_int8_decode: off {off}, on {on}")
     print(cases, worst_int8, worst_exact)
     """
 )
