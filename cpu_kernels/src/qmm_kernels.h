@@ -36,7 +36,7 @@ struct QmmArgs {
   const float* xcorr;
   int kpad, gpad;
   // KernelSet::int8_x kernels (4-bit weights only): x rounded to int8 per weight group, (M, kpad) in the 4-bit
-  // xq order above, with xd/xsum as above (no xcorr: the kernel takes q unsigned).
+  // xq order above, with xd/xcorr/xsum as above (off = 8).
   const int8_t* xb = nullptr;
 };
 
@@ -65,7 +65,7 @@ struct KernelSet {
   // Sets whose qmv reads int8 x (QmmArgs::xb) for 4-bit weights; 8-bit ones still get prep_x16's int16 x.
   bool int8_x = false;
   void (*prep_x8)(const float* x, int M, int K, int group_size, int kpad, int gpad, int8_t* xb, float* xd,
-                  float* xsum) = nullptr;
+                  float* xcorr, float* xsum) = nullptr;
 };
 
 KernelSet generic_kernels();

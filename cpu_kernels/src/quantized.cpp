@@ -122,16 +122,18 @@ void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_
 // x for KernelSet::int8_x decode kernels (4-bit weights): as prep_int16_x, rounded to int8 (d = max|x| / 127).
 void prep_int8_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, std::vector<QmmArgs>& args) {
   thread_local std::vector<int8_t> xb;
-  thread_local std::vector<float> xd, xs;
+  thread_local std::vector<float> xd, xs, xc;
   const int kpad = (K + 63) / 64 * 64;
   const int gpad = (K / group_size + 1 + 15) / 16 * 16;
   xb.assign((size_t)M * kpad, 0);
   xd.assign((size_t)M * gpad, 0.f);
   xs.assign((size_t)M * gpad, 0.f);
-  ks.prep_x8(xf, M, K, group_size, kpad, gpad, xb.data(), xd.data(), xs.data());
+  xc.assign((size_t)M * gpad, 0.f);
+  ks.prep_x8(xf, M, K, group_size, kpad, gpad, xb.data(), xd.data(), xc.data(), xs.data());
   for (auto& a : args) {
     a.xb = xb.data();
     a.xd = xd.data();
+    a.xcorr = xc.data();
     a.xsum = xs.data();
     a.kpad = kpad;
     a.gpad = gpad;

@@ -46,8 +46,11 @@ _PARITY = textwrap.dedent(
         qi = unpack(q, 4).reshape(q.shape[0], K // gs, gs)
         sd = np.array(s.astype(mx.float32)).astype(np.float64)
         bd = np.array(b.astype(mx.float32)).astype(np.float64)
-        dots = np.einsum("mgk,ngk->mng", xq, qi) * d[:, None, :, 0]
-        return (dots * sd[None]).sum(-1) + xg.astype(np.float64).sum(-1) @ bd.T
+        # The centring term 8 * (sum x - d * sum xq) per group is exact: only x's rounding against q - 8 remains.
+        xs = xg.astype(np.float64).sum(-1)
+        corr = 8 * (xs - d[..., 0] * xq.sum(-1))
+        dots = np.einsum("mgk,ngk->mng", xq, qi) * d[:, None, :, 0] + corr[:, None, :]
+        return (dots * sd[None]).sum(-1) + xs @ bd.T
 
     worst_exact = worst_int8 = 0.0
     cases = 0
