@@ -3,8 +3,8 @@ nibbles), in its own process (the kernel set is chosen once per process).
 
 Two references: an int8-aware one (the same rounding of x done in numpy, products summed in float64) that the
 kernel must match to float32 accumulation error, so a wrong nibble, lane or scale fails at once; and the exact
-float64 product x @ dequantized(w).T, to which int8 x adds llama.cpp-grade error (Gaussian x: ~0.7% rms of a
-dot; the largest error per case, relative to the largest sum |x| |w|, measured 0.3-1.5%)."""
+float64 product x @ dequantized(w).T, to which int8 x adds llama.cpp-grade error (Gaussian x: ~0.5% rms of a
+dot; the largest error over all cases, relative to the largest sum |x| |w|, measured 0.62%)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ _PARITY = textwrap.dedent(
                         ex = np.abs(out - truth).max() / scale
                         worst_int8, worst_exact = max(worst_int8, e8), max(worst_exact, ex)
                         cases += 1
-                        if e8 > 2e-6 or ex > 3e-2:
+                        if e8 > 2e-6 or ex > 1.2e-2:
                             sys.exit(f"gs={gs} K={K} N={N} M={M} scales={sdt} int8-ref err={e8} exact err={ex}")
     # float16 / bfloat16 x and output; 8-bit weights (the int16 x kernel) next to 4-bit ones in one run.
     q, s, b = mx.quantize(mx.random.normal((40, 320)), group_size=32, bits=4)
@@ -118,4 +118,4 @@ def test_int8_decode_parity(native_ext):
     got_isa, cases, worst_int8, worst_exact = proc.stdout.split()
     assert got_isa == "avx2i8" and int(cases) > 1000
     # int8 x is not exact: a kernel that matched the float product to int16 precision would not be this one.
-    assert 1e-4 < float(worst_exact) < 3e-2 and float(worst_int8) < 2e-6
+    assert 1e-4 < float(worst_exact) < 1.2e-2 and float(worst_int8) < 2e-6
