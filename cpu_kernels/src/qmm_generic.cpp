@@ -90,6 +90,7 @@ const KernelSet& select_kernels() {
       return ks;
     }
     if (want == "avx2" && has2) return avx2int_kernels();
+    if (want == "avx2i8" && has2) return avx2i8_kernels();
     if ((want.empty() || want == "avx512vnni") && vnni) return avx512vnni_kernels();
     if ((want.empty() || want == "avx512") && has512) return avx512_kernels();
     if (has2) return avx2int_kernels();
@@ -110,7 +111,7 @@ SdpaFn select_sdpa() {
     const std::string isa = select_kernels().isa;
 #if defined(__x86_64__) || defined(_M_X64)
     if (isa == "avx512" || isa == "avx512vnni") return avx512_sdpa();
-    if (isa == "avx2" || isa == "avx2float") return avx2_sdpa();
+    if (isa == "avx2" || isa == "avx2float" || isa == "avx2i8") return avx2_sdpa();
 #elif defined(__aarch64__)
     if (isa == "neon") return neon_sdpa();
 #endif

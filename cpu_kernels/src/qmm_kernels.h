@@ -35,6 +35,9 @@ struct QmmArgs {
   const float* xd;
   const float* xcorr;
   int kpad, gpad;
+  // KernelSet::int8_x kernels (4-bit weights only): x rounded to int8 per weight group, (M, kpad) in the 4-bit
+  // xq order above, with xd/xcorr/xsum as above (off = 8).
+  const int8_t* xb = nullptr;
 };
 
 // Decode (M <= 8): rows [n0, n1) of the output for all M.
@@ -59,21 +62,30 @@ struct KernelSet {
   // the caller (kpad, gpad) and zeroed.
   void (*prep_x16)(const float* x, int M, int K, int group_size, int bits, int kpad, int gpad, int16_t* xq,
                    float* xd, float* xcorr, float* xsum) = nullptr;
+  // Sets whose qmv reads int8 x (QmmArgs::xb) for 4-bit weights; 8-bit ones still get prep_x16's int16 x.
+  bool int8_x = false;
+  void (*prep_x8)(const float* x, int M, int K, int group_size, int kpad, int gpad, int8_t* xb, float* xd,
+                  float* xcorr, float* xsum) = nullptr;
 };
 
 KernelSet generic_kernels();
 #if defined(__x86_64__) || defined(_M_X64)
 KernelSet avx2_kernels();     // isa "avx2": float32 decode (MLXINFER_ISA=avx2float picks it)
 KernelSet avx2int_kernels();  // isa "avx2": int16 x decode (qmm_avx2int.cpp), float32 prefill
+KernelSet avx2i8_kernels();   // isa "avx2i8": int8 x decode for 4-bit weights (qmm_avx2i8.cpp), else avx2's
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
 #elif defined(__aarch64__)
 KernelSet neon_kernels();
 #endif
 
-// Best set for this CPU (runtime dispatch), or the one forced by MLXINFER_ISA=generic|avx2float|avx2|avx512|avx512vnni
+// Best set for this CPU (runtime dispatch), or the one forced by MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni
 // (x86) or generic|neon (arm64).
 const KernelSet& select_kernels();
+
+// On (default): 4-bit decode matvecs of an int8_x set (avx2i8) round x to int8; off: to int16 as avx2 does.
+// In quantized.cpp.
+void set_int8_decode(bool on);
 
 }  // namespace mlxinfer_cpu
 

@@ -3,6 +3,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -87,6 +88,9 @@ const float* x_as_float(const mx::array& x, std::vector<float>& buf) {
 
 constexpr int64_t kSerialWeights = 128 * 1024;
 
+// Off: KernelSet::int8_x sets prepare int16 x instead (the load-time self-check compares formulas, not rounding).
+std::atomic<bool> int8_decode{true};
+
 // Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
 inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 
@@ -107,6 +111,27 @@ void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_
   ks.prep_x16(xf, M, K, group_size, bits, kpad, gpad, xq.data(), xd.data(), xc.data(), xs.data());
   for (auto& a : args) {
     a.xq = xq.data();
+    a.xd = xd.data();
+    a.xcorr = xc.data();
+    a.xsum = xs.data();
+    a.kpad = kpad;
+    a.gpad = gpad;
+  }
+}
+
+// x for KernelSet::int8_x decode kernels (4-bit weights): as prep_int16_x, rounded to int8 (d = max|x| / 127).
+void prep_int8_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, std::vector<QmmArgs>& args) {
+  thread_local std::vector<int8_t> xb;
+  thread_local std::vector<float> xd, xs, xc;
+  const int kpad = (K + 63) / 64 * 64;
+  const int gpad = (K / group_size + 1 + 15) / 16 * 16;
+  xb.assign((size_t)M * kpad, 0);
+  xd.assign((size_t)M * gpad, 0.f);
+  xs.assign((size_t)M * gpad, 0.f);
+  xc.assign((size_t)M * gpad, 0.f);
+  ks.prep_x8(xf, M, K, group_size, kpad, gpad, xb.data(), xd.data(), xc.data(), xs.data());
+  for (auto& a : args) {
+    a.xb = xb.data();
     a.xd = xd.data();
     a.xcorr = xc.data();
     a.xsum = xs.data();
@@ -220,6 +245,8 @@ std::vector<RowTask> split_rows(const std::vector<QmmArgs>& args, int rows) {
 }
 }  // namespace
 
+void set_int8_decode(bool on) { int8_decode.store(on, std::memory_order_relaxed); }
+
 void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {
   thread_local std::vector<float> xbuf;
   const int K = x.shape(-1);
@@ -250,7 +277,9 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
   }
   const int T = pool.size();
 
-  if (M <= 8 && ks.int16_x) {
+  if (M <= 8 && ks.int8_x && bits == 4 && int8_decode.load(std::memory_order_relaxed)) {
+    prep_int8_x(ks, xf, M, K, group_size, args);
+  } else if (M <= 8 && ks.int16_x) {
     prep_int16_x(ks, xf, M, K, group_size, bits, args);
   } else if (M <= 8) {
     xprep.resize((size_t)M * K);

@@ -12,7 +12,7 @@ a build is used only when its stamp matches the running MLX (and, in a source ch
 ``problem()`` is the one line a front end shows when the kernels are off for a reason the user did not choose.
 
 Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
-(default: all cores); ``MLXINFER_ISA=generic|avx2|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
+(default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
 forces a kernel variant (for tests).
 """
 

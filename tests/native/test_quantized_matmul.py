@@ -125,7 +125,9 @@ _ISA_SCRIPT = textwrap.dedent(
             ref = mx.quantized_matmul(x, q, s, b, group_size=128, bits=bits)
             out = ext.quantized_matmul(x, q, s, b, group_size=128, bits=bits)
             err = mx.abs(out - ref).max().item()
-            if err > 1e-4 * mx.abs(ref).max().item():
+            # avx2i8 rounds x to int8 (llama.cpp-grade, ~0.5% of the output's scale; test_qmm_avx2i8.py holds it
+            # to an int8-aware reference).
+            if err > (2e-2 if ext.isa() == "avx2i8" else 1e-4) * mx.abs(ref).max().item():
                 sys.exit(f"bits={bits} M={M} err={err}")
     """
 )
