@@ -47,6 +47,17 @@ constexpr int kPackN = 48;
 constexpr int kKc = 512;
 using QmmFn = void (*)(const QmmArgs&, const float* xpack, int n0, int n1, float* scratch);
 
+// Prefill of KernelSet::qmm_i8 (4-bit weights): x (mpad, K) rounded to int8 per 32-element block, x ~= d * q;
+// d (mpad, K / 32); sum/corr (mpad, K / group): x's sum per group and the centring term (qmm_avx2i8gemm.cpp).
+// Rows past M are zero; mpad = M rounded up to kI8RowBlock. scratch as for QmmFn; out need not be zeroed.
+constexpr int kI8RowBlock = 4;
+struct XInt8 {
+  const int8_t* q;
+  const float *d, *sum, *corr;
+  int mpad;
+};
+using QmmI8Fn = void (*)(const QmmArgs&, const XInt8& x, int n0, int n1, void* scratch);
+
 struct KernelSet {
   const char* isa;
   int pack_m;
@@ -59,6 +70,10 @@ struct KernelSet {
   // the caller (kpad, gpad) and zeroed.
   void (*prep_x16)(const float* x, int M, int K, int group_size, int bits, int kpad, int gpad, int16_t* xq,
                    float* xd, float* xcorr, float* xsum) = nullptr;
+  // Int8 prefill (M > 8, 4-bit weights) when set, and its x preparation into XInt8's buffers.
+  QmmI8Fn qmm_i8 = nullptr;
+  void (*prep_x8)(const float* x, int M, int K, int group_size, int mpad, int8_t* q, float* d, float* sum,
+                  float* corr) = nullptr;
 };
 
 KernelSet generic_kernels();
@@ -67,6 +82,7 @@ KernelSet avx2_kernels();     // isa "avx2": float32 decode (MLXINFER_ISA=avx2fl
 KernelSet avx2int_kernels();  // isa "avx2": int16 x decode (qmm_avx2int.cpp), float32 prefill
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
+KernelSet with_int8_prefill(KernelSet ks);  // + the AVX2 int8 prefill (MLXINFER_PREFILL=int8|float)
 #elif defined(__aarch64__)
 KernelSet neon_kernels();
 #endif
