@@ -55,7 +55,7 @@ static void repack(const QmmArgs& a, int n0, int n1, int k0, int kc, uint8_t* wd
   const int gs = a.group_size, ng = a.K / gs, gpb = kc / gs, nchunk = kc / 32;
   const size_t row_bytes = (size_t)a.K / 2;
   const int nrows = n1 - n0, npan = (nrows + NP - 1) / NP;
-  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m256i mask = _mm256_set1_epi8(0x0f);
   const __m128i zero16 = _mm_setzero_si128();
   for (int j0 = 0; j0 < npan * NP; j0 += 8) {  // 8 columns: one half of a panel
     const int p = j0 / NP, half = (j0 % NP) / 8;
@@ -63,33 +63,25 @@ static void repack(const QmmArgs& a, int n0, int n1, int k0, int kc, uint8_t* wd
     const uint8_t* rows[8];
     for (int j = 0; j < 8; ++j) rows[j] = j0 + j < nrows ? a.w + (n0 + j0 + j) * row_bytes + (size_t)k0 / 2 : nullptr;
     for (int c = 0; c < nchunk; ++c) {
-      // Byte i of a 16-byte chunk holds k = 2i (low nibble) and 2i + 1 (high): interleave back to k order, one
-      // column per ymm (its 8 quads of 4 k), then an 8 x 8 transpose of 32-bit quads puts a quad's 8 columns
-      // in one ymm.
-      __m256i r[8];
-      for (int j = 0; j < 8; ++j) {
-        const __m128i b = rows[j] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + c * 16)) : zero16;
-        const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-        r[j] = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+      // Byte i of a 16-byte chunk holds k = 2i (low nibble) and 2i + 1 (high). x is stored in the matching
+      // order (XInt8::q), so dword e's low nibbles are quad e and its high nibbles quad 4 + e: transpose the
+      // packed dwords of 8 rows (rows j and j + 4 share a ymm), then split the nibbles.
+      __m256i y[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m128i lo = rows[j] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + c * 16)) : zero16;
+        const __m128i hi =
+            rows[j + 4] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j + 4] + c * 16)) : zero16;
+        y[j] = _mm256_set_m128i(hi, lo);
       }
-      __m256i t[8], u[8];
-      for (int j = 0; j < 8; j += 2) {
-        t[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
-        t[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
-      }
-      for (int j = 0; j < 8; j += 4) {
-        u[j] = _mm256_unpacklo_epi64(t[j], t[j + 2]);
-        u[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);
-        u[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]);
-        u[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]);
-      }
-      // u[i] (i < 4) holds quad i of columns 0-3 in its low lane and quad i + 4 in its high lane; u[4 + i] the
-      // same for columns 4-7.
+      const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+      const __m256i u[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                            _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
       uint8_t* d = wp + (size_t)c * 512;
-      for (int i = 0; i < 4; ++i) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(d + i * 64), _mm256_permute2x128_si256(u[i], u[4 + i], 0x20));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(d + (i + 4) * 64),
-                           _mm256_permute2x128_si256(u[i], u[4 + i], 0x31));
+      for (int e = 0; e < 4; ++e) {  // u[e]: dword e of columns 0..7
+        _mm256_store_si256(reinterpret_cast<__m256i*>(d + e * 64), _mm256_and_si256(u[e], mask));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(d + (e + 4) * 64),
+                           _mm256_and_si256(_mm256_srli_epi16(u[e], 4), mask));
       }
     }
   }
@@ -270,6 +262,8 @@ static void prep_x8(const float* x, int M, int K, int gs, int mpad, int8_t* q, f
   const int nblk = K / 32, ng = K / gs, cpg = gs / 32;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                                              12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int m = 0; m < M; ++m) {
     for (int g = 0; g < ng; ++g) {
       float gsum = 0.f, dsum = 0.f;
@@ -296,7 +290,10 @@ static void prep_x8(const float* x, int M, int K, int gs, int mpad, int8_t* q, f
         for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest even
         const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
         const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qc), _mm256_permutevar8x32_epi32(p8, order));
+        // k order [0, 2, ..., 30, 1, 3, ..., 31], as the 4-bit weights' low then high nibbles.
+        const __m256i nat = _mm256_permutevar8x32_epi32(p8, order);
+        const __m256i eo = _mm256_shuffle_epi8(nat, evens_odds);  // per lane: even bytes, then odd bytes
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qc), _mm256_permute4x64_epi64(eo, 0xD8));
         dsum += dc * hsum(_mm256_cvtepi32_ps(s4));
       }
       sum[(size_t)m * ng + g] = gsum;

@@ -47,7 +47,8 @@ constexpr int kPackN = 48;
 constexpr int kKc = 512;
 using QmmFn = void (*)(const QmmArgs&, const float* xpack, int n0, int n1, float* scratch);
 
-// Prefill of KernelSet::qmm_i8 (4-bit weights): x (mpad, K) rounded to int8 per 32-element block, x ~= d * q;
+// Prefill of KernelSet::qmm_i8 (4-bit weights): x (mpad, K) rounded to int8 per 32-element block, x ~= d * q,
+// each block's k ordered [0, 2, ..., 30, 1, 3, ..., 31] (the weights' low, then high nibbles);
 // d (mpad, K / 32); sum/corr (mpad, K / group): x's sum per group and the centring term (qmm_avx2i8gemm.cpp).
 // Rows past M are zero; mpad = M rounded up to kI8RowBlock. scratch as for QmmFn; out need not be zeroed.
 constexpr int kI8RowBlock = 4;
