@@ -50,6 +50,18 @@ constexpr int kPackN = 48;
 constexpr int kKc = 512;
 using QmmFn = void (*)(const QmmArgs&, const float* xpack, int n0, int n1, float* scratch);
 
+// Prefill of KernelSet::qmm_i8 (4-bit weights): x (mpad, K) rounded to int8 per 32-element block, x ~= d * q,
+// each block's k ordered [0, 2, ..., 30, 1, 3, ..., 31] (the weights' low, then high nibbles);
+// d (mpad, K / 32); sum/corr (mpad, K / group): x's sum per group and the centring term (qmm_avx2i8gemm.cpp).
+// Rows past M are zero; mpad = M rounded up to kI8RowBlock. scratch as for QmmFn; out need not be zeroed.
+constexpr int kI8RowBlock = 4;
+struct XInt8 {
+  const int8_t* q;
+  const float *d, *sum, *corr;
+  int mpad;
+};
+using QmmI8Fn = void (*)(const QmmArgs&, const XInt8& x, int n0, int n1, void* scratch);
+
 struct KernelSet {
   const char* isa;
   int pack_m;
@@ -66,6 +78,10 @@ struct KernelSet {
   bool int8_x = false;
   void (*prep_x8)(const float* x, int M, int K, int group_size, int kpad, int gpad, int8_t* xb, float* xd,
                   float* xcorr, float* xsum) = nullptr;
+  // Int8 prefill (M > 8, 4-bit weights) when set, and its x preparation into XInt8's buffers.
+  QmmI8Fn qmm_i8 = nullptr;
+  void (*prep_x8_gemm)(const float* x, int M, int K, int group_size, int mpad, int8_t* q, float* d, float* sum,
+                  float* corr) = nullptr;
 };
 
 KernelSet generic_kernels();
@@ -75,6 +91,7 @@ KernelSet avx2int_kernels();  // isa "avx2": int16 x decode (qmm_avx2int.cpp), f
 KernelSet avx2i8_kernels();   // isa "avx2i8": int8 x decode for 4-bit weights (qmm_avx2i8.cpp), else avx2's
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
+KernelSet with_int8_prefill(KernelSet ks);  // + the AVX2 int8 prefill (MLXINFER_PREFILL=int8|float)
 #elif defined(__aarch64__)
 KernelSet neon_kernels();
 #endif

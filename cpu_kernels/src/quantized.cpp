@@ -312,6 +312,23 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     pool.run(static_cast<int>(tasks.size()), [&](int t, int) {
       ks.qmv(args[tasks[t].w], tasks[t].n0, tasks[t].n1);
     });
+  } else if (bits == 4 && ks.qmm_i8) {
+    // Int8 prefill: x rounded to int8 per 32-block once (layout in XInt8), weights unpacked per task. One MLX
+    // allocation, as for the packed float x below.
+    const int mpad = (M + kI8RowBlock - 1) / kI8RowBlock * kI8RowBlock;
+    const size_t nd = (size_t)mpad * (K / 32), ns = (size_t)mpad * ng, nq = ((size_t)mpad * K + 3) / 4;
+    mx::array buf(mx::Shape{static_cast<int>(nd + 2 * ns + nq)}, mx::float32, nullptr, {});
+    buf.set_data(mx::allocator::malloc(buf.nbytes()));
+    float* d = buf.data<float>();
+    int8_t* q = reinterpret_cast<int8_t*>(d + nd + 2 * ns);
+    ks.prep_x8_gemm(xf, M, K, group_size, mpad, q, d, d + nd, d + nd + ns);
+    const XInt8 xi{q, d, d + nd, d + nd + ns, mpad};
+    scratch.resize((size_t)T * kPackN * kKc);
+    float* scr = scratch.data();
+    const std::vector<RowTask> tasks = split_rows(args, kPackN);
+    pool.run(static_cast<int>(tasks.size()), [&](int t, int tid) {
+      ks.qmm_i8(args[tasks[t].w], xi, tasks[t].n0, tasks[t].n1, scr + (size_t)tid * kPackN * kKc);
+    });
   } else {
     const int pm = ks.pack_m;
     const int mblocks = (M + pm - 1) / pm;
