@@ -1,6 +1,7 @@
 // The QuantizedEmbedding primitive: token ids -> dequantized float32 rows. MLX composes
 // nn.QuantizedEmbedding as three gathers and a dequantize, ~30 small CPU ops per decode step.
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -15,12 +16,24 @@ namespace mlxinfer_cpu {
 
 namespace {
 
+// Scales/biases of one table row as float32 (they are float32, float16 or bfloat16: the stored dtype is kept on
+// the CPU so that a decode step reads fewer bytes).
+void scale_row(const mx::array& a, int64_t row, int ng, float* dst) {
+  const size_t off = (size_t)row * ng;
+  switch (a.dtype()) {
+    case mx::float32: std::memcpy(dst, a.data<float>() + off, (size_t)ng * sizeof(float)); break;
+    case mx::float16: for (int g = 0; g < ng; ++g) dst[g] = static_cast<float>(a.data<mx::float16_t>()[off + g]); break;
+    default: for (int g = 0; g < ng; ++g) dst[g] = static_cast<float>(a.data<mx::bfloat16_t>()[off + g]); break;
+  }
+}
+
 template <typename T>
-void gather_rows(const mx::array& ids, const uint8_t* w, const float* s, const float* b, float* out, int K, int V,
-                 int group_size, int bits) {
+void gather_rows(const mx::array& ids, const uint8_t* w, const mx::array& s, const mx::array& b, float* out, int K,
+                 int V, int group_size, int bits) {
   const T* id = ids.data<T>();
   const size_t row_bytes = (size_t)K * bits / 8;
   const int ng = K / group_size;
+  std::vector<float> sr(ng), br(ng);
   for (size_t i = 0; i < ids.size(); ++i) {
     const int64_t t = static_cast<int64_t>(id[i]);
     float* o = out + i * K;
@@ -29,8 +42,8 @@ void gather_rows(const mx::array& ids, const uint8_t* w, const float* s, const f
       continue;
     }
     const uint8_t* wr = w + t * row_bytes;
-    const float* sr = s + t * ng;
-    const float* br = b + t * ng;
+    scale_row(s, t, ng, sr.data());
+    scale_row(b, t, ng, br.data());
     for (int k = 0; k < K; ++k) {
       // MLX's affine layout: element k at bits [bits * (k % (32 / bits)), ...) of little-endian word k / (32 / bits).
       const int q = bits == 4 ? (wr[k >> 1] >> ((k & 1) * 4)) & 0xF : wr[k];
@@ -48,8 +61,7 @@ class NativeQuantizedEmbedding : public mx::UnaryPrimitive {
     dispatch_contiguous(stream(), inputs, out, [gs, bits](std::vector<mx::array>& in, mx::array& o) {
       const int V = in[1].shape(0), K = in[1].shape(1) * 32 / bits;
       const auto* w = reinterpret_cast<const uint8_t*>(in[1].data<uint32_t>());
-      const float* s = in[2].data<float>();
-      const float* b = in[3].data<float>();
+      const mx::array &s = in[2], &b = in[3];
       float* y = o.data<float>();
       switch (in[0].dtype()) {
         case mx::int32: return gather_rows<int32_t>(in[0], w, s, b, y, K, V, gs, bits);
@@ -88,7 +100,9 @@ mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx
   if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
   if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array");
   const int K = w.shape(1) * 32 / bits;
-  if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32) fail("float32 scales and biases only");
+  if ((scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16) ||
+      biases.dtype() != scales.dtype())
+    fail("scales and biases must share a float dtype (float32, float16 or bfloat16)");
   if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size ||
       biases.shape() != scales.shape())
     fail("scales/biases must have shape (vocab, dim / group_size)");

@@ -42,8 +42,8 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps);
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset,
                const std::optional<mx::array>& offsets = std::nullopt);
 
-// nn.QuantizedEmbedding's lookup: ids (any shape, integer) -> dequantized rows (..., dim) float32 (float32
-// scales/biases). Out-of-range ids give zero rows.
+// nn.QuantizedEmbedding's lookup: ids (any shape, integer) -> dequantized rows (..., dim) float32 (scales/biases
+// float32, float16 or bfloat16). Out-of-range ids give zero rows.
 mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits);
 
@@ -54,7 +54,7 @@ std::vector<mx::array> kv_append(const mx::array& k_buf, const mx::array& v_buf,
                                  const mx::array& v, int offset);
 
 // An attention block's input side: x (B, L, hidden) float32 times the quantized q/k/v projections (each
-// (w, scales, biases), float32 scales), split into heads and RoPE'd (first rope_dims of each head; 0 = none) at
+// (w, scales, biases); scales/biases float32, float16 or bfloat16), split into heads and RoPE'd (first rope_dims of each head; 0 = none) at
 // positions offset + l. Returns q (B, n_heads, L, head_dim), k and v (B, n_kv_heads, L, head_dim). With
 // norm_weight, x is RMS-normalised first (the block's input_layernorm); with freqs (rope_dims / 2 periods, as
 // mx.fast.rope's freqs) base is ignored. With offsets (B,) integer, batch row b's positions are offsets[b] + l

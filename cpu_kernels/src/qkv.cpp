@@ -104,7 +104,6 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const std::vector<mx::array>
     const auto& w = *ws[i];
     if (check_quantized_weight(x, w[0], w[1], w[2], group_size, bits, "qkv_rope") != want[i])
       fail("projection output size does not match heads * head_dim");
-    if (w[1].dtype() != mx::float32) fail("float32 scales and biases only");
   }
   std::vector<mx::array> inputs = {x, wq[0], wq[1], wq[2], wk[0], wk[1], wk[2], wv[0], wv[1], wv[2]};
   if (norm_weight) {

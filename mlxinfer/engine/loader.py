@@ -17,6 +17,7 @@ from .backend import activation_dtype, backend
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): stages "download", "import", "load"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+QUANT_PARAMS = ("scales", "biases")  # a quantized layer's own (per-group) parameters
 
 
 @dataclass
@@ -156,15 +157,29 @@ def load_model_dir(path: Path, *, lazy: bool = False):
         ) from None
 
 
-def apply_dtype_policy(model) -> str:
-    """Cast floating parameters to the backend's activation dtype; returns its name."""
+def apply_dtype_policy(model, *, keep_quantized_scales: bool = False) -> str:
+    """Cast floating parameters to the backend's activation dtype; returns its name.
+
+    ``keep_quantized_scales``: quantized layers' scales/biases keep their stored (float16/bfloat16) dtype where the
+    policy would widen them (float32 activations on the CPU): the native CPU kernels read them as stored, and
+    float32 copies would add a sixth of a 4-bit model's bytes to every decode step. The caller must then run
+    ``kernels.patch.apply_kernels``, which widens those of the layers no native kernel runs (see there)."""
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
     floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
     model_dtype = max(set(floats), key=floats.count) if floats else mx.float16
     target = activation_dtype(model_dtype)
-    model.apply(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) and p.dtype != target else p)
+
+    def cast(m, key, value):
+        if not nn.Module.valid_parameter_filter(m, key, value):
+            return False
+        return not (keep_quantized_scales and target == mx.float32 and key in QUANT_PARAMS
+                    and isinstance(m.get("scales"), mx.array) and hasattr(m, "group_size"))
+
+    model.apply(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) and p.dtype != target else p,
+                cast)
     return str(target).replace("mlx.core.", "")
 
 
@@ -191,7 +206,7 @@ def load(
     from ..distributed import prepare  # under mlx.launch: keep only this rank's shard, before any weight is read
 
     shard_line = prepare(net, config)
-    dtype = apply_dtype_policy(net)
+    dtype = apply_dtype_policy(net, keep_quantized_scales=True)  # apply_kernels below settles them
     try:
         mx.eval(net.parameters())
     except (ValueError, RuntimeError) as e:

@@ -11,7 +11,8 @@ capabilities it has (``kernels.provider``), and then, per module instance of thi
   layer as one op, writing a ``kernels.kv_cache.InPlaceKVCache``): the CPU pays microseconds per MLX op;
 * routes every other mlx-lm attention module's ``scaled_dot_product_attention`` through the provider
   (``layers.routed_attention_class``: the module's code with its own copy of the globals);
-* runs the load-time self-check (``kernels.selfcheck``), which turns off what disagrees with mlx-lm's code.
+* runs the load-time self-check (``kernels.selfcheck``), which turns off what disagrees with mlx-lm's code;
+* on the CPU, settles the dtype of each quantized layer's scales/biases (:func:`settle_scales`).
 
 Nothing outside ``model`` changes: another model in the process (a bench peer, the model before chat's
 ``/model``) keeps MLX's layers and attention. ``apply_kernels(model, "builtin")`` undoes it all.
@@ -27,6 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from mlxinfer.engine.backend import backend
@@ -74,6 +76,16 @@ def select_provider(name: Optional[str] = None) -> Tuple[Optional[KernelProvider
 
 def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
     """Route ``model``'s quantized matmuls and attention through the backend's custom kernels (see module doc)."""
+    try:
+        report = _apply(model, mode)
+    finally:  # also when the kernels were refused: the layers left to MLX need float32 scales
+        scales = settle_scales(model)
+    if report.name != "builtin" and scales:
+        report = KernelReport(report.name, f"{report.detail}; {scales}")
+    return report
+
+
+def _apply(model: nn.Module, mode: str) -> KernelReport:
     mode = resolve_mode(mode)
     restore_builtin(model)  # start from MLX's classes: applying twice, or with another provider, is the same
     if mode == "builtin":
@@ -110,6 +122,62 @@ def apply_kernels(model: nn.Module, mode: str = "auto") -> KernelReport:
     detail = (f"{provider.name} on {where}: {describe(model)}, attention in {', '.join(modules) or 'no modules'}"
               + "".join(f"; {line}" for line in why_not))
     return KernelReport(provider.name, detail)
+
+
+STORED_SCALES = "_stored_scales_dtype"  # instance attribute: the half dtype a widened layer's scales came in
+
+
+def settle_scales(model: nn.Module) -> str:
+    """CPU backend: float16/bfloat16 or float32 for each quantized layer's scales/biases; returns a report clause.
+
+    Ownership: the loader keeps them as stored (``apply_dtype_policy(keep_quantized_scales=True)``) and this
+    decides per layer, once the layer classes are final. A layer a native kernel runs keeps the half dtype (a 4-bit
+    group-32 weight then costs 5 bits, not 6, per decode step); every other one (MLX built-ins: builtin mode, bits
+    or modes the kernels lack, sharded or subclassed layers, a provider that wants x's dtype) gets float32, since
+    MLX's CPU kernels are faster so and its QuantizedEmbedding lookup would return float16 rows. A widened layer
+    remembers its stored dtype, so applying kernels again narrows it back exactly (float16 -> float32 is exact)."""
+    if backend() != "cpu":
+        return ""  # GPUs: the policy already gave scales the activation dtype, which their kernels take
+    kept, widened = set(), 0
+    for _, m in model.named_modules():
+        scales = m.get("scales")
+        if not (isinstance(scales, mx.array) and hasattr(m, "group_size") and mx.issubdtype(scales.dtype, mx.floating)):
+            continue
+        stored = scales.dtype if scales.dtype != mx.float32 else getattr(m, STORED_SCALES, None)
+        if stored is None:  # stored as float32
+            continue
+        want = stored if _native_takes(m, stored) else mx.float32
+        if scales.dtype != want:
+            new = {k: m[k].astype(want) for k in ("scales", "biases") if isinstance(m.get(k), mx.array)}
+            m.update(new)
+            mx.eval(list(new.values()))  # layer by layer: the two copies of all scales never coexist
+            setattr(m, STORED_SCALES, stored)
+        if want == mx.float32:
+            widened += 1
+        else:
+            kept.add((id(m), str(want).replace("mlx.core.", "")))
+    if not kept:
+        return ""
+    names = "/".join(sorted({d for _, d in kept}))
+    return (f"scales/biases as stored ({names}) in {len(kept)} quantized layers"
+            + (f", float32 in {widened} run by MLX" if widened else ""))
+
+
+def _native_takes(m: nn.Module, dtype) -> bool:
+    """Whether the kernels bound to quantized layer ``m`` run it with scales/biases of ``dtype`` and float32 x (a
+    graph-building probe: the provider answers None for what it does not take, and nothing is evaluated)."""
+    provider = m.__dict__.get("_kernel_provider")
+    if provider is None or type(m) not in (KernelQuantizedLinear, layers.KernelQuantizedEmbedding):
+        return False
+    w, s, b = m["weight"], m["scales"].astype(dtype), m.get("biases")
+    b = b.astype(dtype) if b is not None else None
+    kw = {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
+    x = mx.zeros((1, w.shape[1] * 32 // m.bits), mx.float32)
+    if provider.quantized_matmul(x, w, s, b, **kw) is None:
+        return False
+    if type(m) is layers.KernelQuantizedEmbedding:  # MLX's own lookup would return rows in the scales' dtype
+        return m._kernel_lookup and provider.quantized_embedding(mx.zeros((1,), mx.int32), w, s, b, **kw) is not None
+    return True
 
 
 def _windowed_layers(model: nn.Module) -> frozenset:

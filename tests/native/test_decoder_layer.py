@@ -135,3 +135,25 @@ def test_plan_rejects_what_is_not_a_layer(native_ext):
     swapped[i], swapped[j] = swapped[j], swapped[i]  # arrays not in the plan's name order
     with pytest.raises(ValueError):
         native_ext.decoder_layer(x, swapped, kb, kb, 0, False, plan)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]])
+def test_half_scales_give_the_float32_result(native_ext, case):
+    """Scales/biases as a CPU model keeps them (float16, as stored) give exactly the result of their float32
+    copies: decode rows, and a 12-row prefill (the dequantized tiles)."""
+    B, L, E, I, hq, hkv, D, dims, offset, gs, bits, window, kind, half = case
+    arrays, config = _case_layer(case)
+    quant = lambda n: n.endswith((".scales", ".biases"))  # noqa: E731
+    half_arrays = {n: a.astype(mx.float16) if quant(n) else a for n, a in arrays.items()}
+    wide_arrays = {n: a.astype(mx.float32) if quant(n) else a for n, a in half_arrays.items()}  # widened exactly
+    x = mx.random.normal((B, L, E))
+    names = sorted(arrays)
+    plan = native_ext.decoder_layer_plan(names, {k: float(v) for k, v in config.items()})
+    outs = []
+    for a in (half_arrays, wide_arrays):
+        bufs = [native_ext.kv_reserve([B, hkv, offset + L, D], mx.zeros((B, hkv, offset, D)), valid=offset, half=half)
+                for _ in range(2)]
+        outs.append(native_ext.decoder_layer(x, [a[n] for n in names], *bufs, offset, L > 1, plan))
+        mx.eval(outs[-1])
+    for got, want in zip(*outs):
+        assert mx.array_equal(got, want).item()

@@ -30,6 +30,18 @@ def test_out_of_range_ids_give_zero_rows_and_bad_args_raise(native_ext):
     with pytest.raises(ValueError, match="ids"):
         native_ext.quantized_embedding(mx.array([1.0]), emb["weight"], emb["scales"], emb["biases"],
                                        group_size=32, bits=4)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="share a float dtype"):
         native_ext.quantized_embedding(mx.array([1]), emb["weight"], emb["scales"].astype(mx.float16),
-                                       emb["biases"].astype(mx.float16), group_size=32, bits=4)
+                                       emb["biases"], group_size=32, bits=4)
+
+
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.bfloat16])
+def test_half_scales_give_float32_rows(native_ext, scale_dtype):
+    """Scales/biases as stored (float16/bfloat16, as the CPU loader keeps them): the rows are float32 and equal
+    the float32 lookup of the same (exactly widened) scales."""
+    emb = nn.QuantizedEmbedding(300, 256, group_size=64, bits=4)
+    s, b = emb["scales"].astype(scale_dtype), emb["biases"].astype(scale_dtype)
+    ids = mx.array([[0, 299, 7, 7]])
+    out = native_ext.quantized_embedding(ids, emb["weight"], s, b, group_size=64, bits=4)
+    emb.scales, emb.biases = s.astype(mx.float32), b.astype(mx.float32)
+    assert out.dtype == mx.float32 and mx.array_equal(out, emb(ids)).item()

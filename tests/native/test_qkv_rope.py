@@ -45,6 +45,23 @@ def test_matches_mlx(native_ext, case):
         assert err <= 1e-4 * mx.abs(r).max().item(), err
 
 
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]])
+@pytest.mark.parametrize("scale_dtype", [mx.float16, mx.bfloat16])
+def test_half_scales_give_the_float32_result(native_ext, case, scale_dtype):
+    """Scales/biases kept as stored (what the CPU loader does with a float16/bfloat16 model) give exactly the
+    result of their float32 copies, decode and prefill (the batched decode path runs this op too)."""
+    B, L, hidden, hq, hkv, D, dims, trad, offset, gs, bits = case
+    mx.random.seed(sum(case))
+    half = [[w, s.astype(scale_dtype), b.astype(scale_dtype)] for w, s, b in
+            (mx.quantize(mx.random.normal((n * D, hidden)) * 0.2, group_size=gs, bits=bits) for n in (hq, hkv, hkv))]
+    wide = [[w, s.astype(mx.float32), b.astype(mx.float32)] for w, s, b in half]
+    x = mx.random.normal((B, L, hidden))
+    kw = dict(group_size=gs, bits=bits, n_heads=hq, n_kv_heads=hkv, head_dim=D, rope_dims=dims, traditional=trad,
+              base=10000.0, scale=1.0, offset=offset)
+    for g, w in zip(native_ext.qkv_rope(x, *half, **kw), native_ext.qkv_rope(x, *wide, **kw)):
+        assert g.dtype == mx.float32 and mx.array_equal(g, w).item()
+
 def test_rejects_bad_arguments(native_ext):
     ws = [mx.quantize(mx.random.normal((n * 32, 64)), group_size=32, bits=4) for n in (2, 1, 1)]
     x = mx.random.normal((1, 1, 64))

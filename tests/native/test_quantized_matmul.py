@@ -61,6 +61,8 @@ def test_low_precision_scales(native_ext, scale_dtype):
     for M in (1, 5, 20):
         _check(native_ext, M, 256, 96, 4, 64, mx.float32, scale_dtype=scale_dtype)
         _check(native_ext, M, 256, 96, 8, 32, scale_dtype, scale_dtype=scale_dtype)
+    for gs in (32, 128):  # prefill over several 512-wide k blocks (each converts only its own groups' scales)
+        _check(native_ext, 20, 1280, 40, 4, gs, mx.float32, scale_dtype=scale_dtype)
 
 
 def test_decode_tails_zeros_and_outliers(native_ext):
