@@ -317,7 +317,7 @@ KernelSet with_int8_prefill(KernelSet ks) {
   if (env && std::strcmp(env, "float") == 0) return ks;
   if (!(env && std::strcmp(env, "int8") == 0)) return ks;  // opt-in until measured faster end to end
   // The name carries the choice: kernel reports and bench provenance must say that prefill rounds x to int8.
-  ks.isa = std::strcmp(ks.isa, "avx2i8") == 0 ? "avx2i8+int8 prefill" : "avx2+int8 prefill";
+  ks.isa = std::strcmp(ks.isa, "avx2i8") == 0 ? "avx2i8+int8-prefill" : "avx2+int8-prefill";
   ks.qmm_i8 = isa_avx2i8gemm::qmm;
   ks.prep_x8_gemm = isa_avx2i8gemm::prep_x8;
   return ks;

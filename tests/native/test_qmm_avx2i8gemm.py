@@ -102,7 +102,7 @@ def test_int8_prefill_parity(native_ext):
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     isa, cases, exact, i8 = proc.stdout.split()
-    assert isa == "avx2" and int(cases) == 3 * 3 * 4 * 5 * 3
+    assert isa == "avx2+int8-prefill" and int(cases) == 3 * 3 * 4 * 5 * 3
     # The int8 rounding is visible against the exact product (the path really ran: up to ~3% of the largest
     # output for K = 32 next to a 13x outlier) and matches its own contract to float32 accuracy.
     assert 1e-3 < float(exact) < 1e-1 and float(i8) < 1e-5
