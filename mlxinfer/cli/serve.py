@@ -31,7 +31,8 @@ def serve_cmd(
     prefix_cache_mb: Annotated[int, typer.Option("--prefix-cache-mb", help="Memory for the prefix cache "
                                                  "(0 = off).")] = 512,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens prefilled between two "
-                                               "decode steps.")] = 256,
+                                               "decode steps, per waiting prompt per decoding stream (at most "
+                                               "2048).")] = 256,
     batch_from: Annotated[int, typer.Option("--batch-from", help="Decode as one batch from this many sequences "
                                             "on (fewer each run the single-sequence fast path).")] = 2,
     allow_origin: Annotated[Optional[List[str]], typer.Option(
