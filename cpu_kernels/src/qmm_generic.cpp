@@ -108,7 +108,8 @@ namespace mlxinfer_cpu {
 
 SdpaFn select_sdpa() {
   static const SdpaFn chosen = [] {
-    const std::string isa = select_kernels().isa;
+    std::string isa = select_kernels().isa;
+    isa = isa.substr(0, isa.find('+'));  // "avx2+int8-prefill": the attention is the base set's
 #if defined(__x86_64__) || defined(_M_X64)
     if (isa == "avx512" || isa == "avx512vnni") return avx512_sdpa();
     if (isa == "avx2" || isa == "avx2float" || isa == "avx2i8") return avx2_sdpa();
