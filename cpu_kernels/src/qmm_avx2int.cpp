@@ -13,46 +13,15 @@
 #include <cstring>
 #include <vector>
 
+#include "avx2_helpers.h"
 #include "qmm_kernels.h"
 
 namespace mlxinfer_cpu {
 namespace isa_avx2int {
 
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Sums of four vectors, one float each, in lanes 0..3.
-static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
-  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // per 128-bit half: a, b, c, d partial sums
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-// Row n of scales or biases as float32 into buf (ng entries, then zeros up to a multiple of 8).
-static inline void scale_row(const void* base, ScaleType t, int n, int ng, float* buf) {
-  const size_t off = (size_t)n * ng;
-  if (t == ScaleType::f32) {
-    std::memcpy(buf, static_cast<const float*>(base) + off, (size_t)ng * 4);
-  } else {
-    const uint16_t* p = static_cast<const uint16_t*>(base) + off;
-    int g = 0;
-    if (t == ScaleType::f16) {
-      for (; g + 8 <= ng; g += 8)
-        _mm256_store_ps(buf + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + g))));
-      for (; g < ng; ++g) buf[g] = _cvtsh_ss(p[g]);
-    } else {
-      for (; g < ng; ++g) {
-        const uint32_t bits = (uint32_t)p[g] << 16;
-        std::memcpy(buf + g, &bits, 4);
-      }
-    }
-  }
-  for (int g = ng; g % 8; ++g) buf[g] = 0.f;
-}
+using avx2_helpers::hsum;
+using avx2_helpers::hsum4;
+using avx2_helpers::scale_row;
 
 // One weight group (CPG 32-element chunks from chunk c0) dotted with every x row as exact int32 sums, scaled
 // by sd[m] (= s * d) into acc. For 4-bit a chunk is 16 bytes, byte j holding elements 2j (low nibble) and 2j+1
@@ -105,8 +74,8 @@ static inline void qmv_block(const QmmArgs& a, int n, float* sd, float* sbuf, fl
   constexpr size_t group_bytes = (size_t)G * BITS / 8;
   __m256 acc0[R][MM], acc1[R][MM];
   for (int r = 0; r < R; ++r) {
-    scale_row(a.scales, a.stype, n + r, ng, sbuf);
-    scale_row(a.biases, a.stype, n + r, ng, bbuf);
+    scale_row(a.scales, a.stype, n + r, ng, (ng + 7) / 8 * 8, sbuf);
+    scale_row(a.biases, a.stype, n + r, ng, (ng + 7) / 8 * 8, bbuf);
     for (int m = 0; m < MM; ++m) acc0[r][m] = acc1[r][m] = _mm256_setzero_ps();
     // sd[r][m][g] = s[g] * d[m][g] for the group loop; the bias and centring terms go straight into acc1
     // (xd, xsum, xcorr are zero past ng).
