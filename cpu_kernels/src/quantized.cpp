@@ -94,23 +94,22 @@ std::atomic<bool> int8_decode{true};
 // Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
 inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 
-// x for KernelSet::int16_x decode kernels (layout in QmmArgs::xq, filled by the set's prep_x16): each weight
-// group of each row is rounded to int16 with its own scale d = max|x| / 32767, so one outlier only coarsens its
-// own group.
-void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, int bits,
-                  std::vector<QmmArgs>& args) {
-  thread_local std::vector<int16_t> xq;
+// x for the integer decode kernels, as type Q (layouts in QmmArgs): each weight group of each row is rounded with
+// its own scale d = max|x| / (32767 for int16, 127 for int8), so one outlier only coarsens its own group. prep
+// fills (q, d, corr, sum) for kpad / gpad; field is where the kernels read q.
+template <typename Q, typename Prep>
+void prep_int_x(int M, int K, int group_size, std::vector<QmmArgs>& args, const Q* QmmArgs::*field, Prep prep) {
+  thread_local std::vector<Q> xq;
   thread_local std::vector<float> xd, xs, xc;
-  const int ng = K / group_size;
   const int kpad = (K + 63) / 64 * 64;
-  const int gpad = (ng + 1 + 15) / 16 * 16;  // one spare group: a 64-block reads two group scales
+  const int gpad = (K / group_size + 1 + 15) / 16 * 16;  // one spare group: a 64-block reads two group scales
   xq.assign((size_t)M * kpad, 0);
   xd.assign((size_t)M * gpad, 0.f);
   xs.assign((size_t)M * gpad, 0.f);
   xc.assign((size_t)M * gpad, 0.f);
-  ks.prep_x16(xf, M, K, group_size, bits, kpad, gpad, xq.data(), xd.data(), xc.data(), xs.data());
+  prep(kpad, gpad, xq.data(), xd.data(), xc.data(), xs.data());
   for (auto& a : args) {
-    a.xq = xq.data();
+    a.*field = xq.data();
     a.xd = xd.data();
     a.xcorr = xc.data();
     a.xsum = xs.data();
@@ -119,25 +118,20 @@ void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_
   }
 }
 
-// x for KernelSet::int8_x decode kernels (4-bit weights): as prep_int16_x, rounded to int8 (d = max|x| / 127).
+void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, int bits,
+                  std::vector<QmmArgs>& args) {
+  prep_int_x<int16_t>(M, K, group_size, args, &QmmArgs::xq,
+                      [&](int kpad, int gpad, int16_t* q, float* d, float* c, float* sum) {
+                        ks.prep_x16(xf, M, K, group_size, bits, kpad, gpad, q, d, c, sum);
+                      });
+}
+
+// 4-bit weights only (KernelSet::int8_x).
 void prep_int8_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, std::vector<QmmArgs>& args) {
-  thread_local std::vector<int8_t> xb;
-  thread_local std::vector<float> xd, xs, xc;
-  const int kpad = (K + 63) / 64 * 64;
-  const int gpad = (K / group_size + 1 + 15) / 16 * 16;
-  xb.assign((size_t)M * kpad, 0);
-  xd.assign((size_t)M * gpad, 0.f);
-  xs.assign((size_t)M * gpad, 0.f);
-  xc.assign((size_t)M * gpad, 0.f);
-  ks.prep_x8(xf, M, K, group_size, kpad, gpad, xb.data(), xd.data(), xc.data(), xs.data());
-  for (auto& a : args) {
-    a.xb = xb.data();
-    a.xd = xd.data();
-    a.xcorr = xc.data();
-    a.xsum = xs.data();
-    a.kpad = kpad;
-    a.gpad = gpad;
-  }
+  prep_int_x<int8_t>(M, K, group_size, args, &QmmArgs::xb,
+                     [&](int kpad, int gpad, int8_t* q, float* d, float* c, float* sum) {
+                       ks.prep_x8(xf, M, K, group_size, kpad, gpad, q, d, c, sum);
+                     });
 }
 
 // Store float32 results into out (float32: already there; float16/bfloat16: rounded once).
