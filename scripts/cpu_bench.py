@@ -268,7 +268,8 @@ def run_arch(args, key: str) -> dict:
     prompt = bench_arch.prompt_ids(arch, args.prompt_tokens)
     engines = engines_for(args)
     bandwidth = key == "llama-3.2-1b"  # its target is a share of the read-bandwidth bound
-    bw_before = read_bandwidth(args.threads) if bandwidth else 0.0
+    # Every architecture: the bound says which decode ratio is possible on this machine.
+    bw_before = read_bandwidth(args.threads) if "native" in engines else 0.0
     summary = run_rounds(args, model, gguf, prompt, engines)
     changed = f", changed: {args.shape}" if args.shape else ""
     print(f"\n## {key}: random {args.qtype} weights at {arch.source} shapes{changed} "
@@ -287,15 +288,21 @@ def run_arch(args, key: str) -> dict:
         for phase, goal in (("prefill", 1.5), ("decode", 1.3)):
             ratio = summary["native"][f"{phase}_tok_s"] / base[f"{phase}_tok_s"]
             targets[phase] = {"ratio": ratio, "target": goal, "met": ratio >= goal}
-    if bandwidth and "native" in summary:
+    if "native" in summary:
         bw = max(bw_before, read_bandwidth(args.threads))  # the higher of two measurements: the stricter bound
         print(bandwidth_line(summary, decode_bytes(model), bw))
-        fraction = summary["bandwidth"]["native_fraction"]
-        targets["bandwidth"] = {"ratio": fraction, "target": 0.85, "met": fraction >= 0.85}
+        if bandwidth:
+            fraction = summary["bandwidth"]["native_fraction"]
+            targets["bandwidth"] = {"ratio": fraction, "target": 0.85, "met": fraction >= 0.85}
         if base:
-            summary["bandwidth"]["llama.cpp_fraction"] = base["decode_tok_s"] * gguf.stat().st_size / (bw * 1e9)
-            print(f"llama.cpp decode = {100 * summary['bandwidth']['llama.cpp_fraction']:.0f}% of the bound for "
-                  f"its own bytes (the GGUF, {gguf.stat().st_size / 1e6:.1f} MB)")
+            bw_summary = summary["bandwidth"]
+            bw_summary["llama.cpp_fraction"] = base["decode_tok_s"] * gguf.stat().st_size / (bw * 1e9)
+            # The fastest decode mlxinfer could reach at its bytes per token, as a multiple of llama.cpp's measured
+            # decode: below 1.3 the decode target is out of reach on this machine whatever the kernels do.
+            bw_summary["ceiling_x_llama"] = bw_summary["bound_tok_s"] / base["decode_tok_s"]
+            print(f"llama.cpp decode = {100 * bw_summary['llama.cpp_fraction']:.0f}% of the bound for its own bytes "
+                  f"(the GGUF, {gguf.stat().st_size / 1e6:.1f} MB); mlxinfer's bound = "
+                  f"{bw_summary['ceiling_x_llama']:.2f}x llama.cpp's decode")
     for name, t in targets.items():
         unit = "of the bound" if name == "bandwidth" else "x llama.cpp"
         print(f"target {name}: native {t['ratio']:.2f} {unit}, needs >= {t['target']}: "
