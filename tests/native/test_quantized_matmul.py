@@ -3,9 +3,9 @@
 Where the kernel set has the int8 prefill GEMM (the AVX2 default; the name ends in "+int8-prefill"), every 4-bit
 prefill case (M > 8) runs twice in-process: with it off (``set_int8_prefill(False)``, the float32 tiles held to
 float parity, as the load-time self-check runs them) and on, held to ``INT8_TOL`` of the largest output: x rounded
-to int8 per 32-block costs ~0.5% rms of an output's scale (llama.cpp's Q8_0 grade), measured up to ~1.5% at most
-over these Gaussian cases; a wrong weight, scale or group gives errors of order 1 (test_qmm_avx2i8gemm.py holds the
-kernel to an int8-aware reference at 1e-5)."""
+to int8 per 32-block (llama.cpp's Q8_0 grade) gave a largest error of 0.45-0.67% of the largest output over these
+Gaussian cases (AVX2); 2e-2 is three times that, and a wrong weight, scale or group gives errors of order 1
+(test_qmm_avx2i8gemm.py holds the kernel to an int8-aware reference at 1e-5)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixt
 # (M, K, N): decode (M <= 8) and prefill (M > 8) paths, K an odd multiple of 128, N odd or not a tile multiple.
 SHAPES = [(1, 384, 129), (3, 128, 77), (8, 640, 64), (9, 384, 50), (33, 1152, 97), (64, 256, 301)]
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-INT8_TOL = 3e-2
+INT8_TOL = 2e-2
 
 
 def _int8_prefill_modes(ext, M, bits) -> list:
