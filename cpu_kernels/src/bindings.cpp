@@ -66,7 +66,11 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.def("set_num_threads", [](int n) { mlxinfer_cpu::SpinPool::get().set_size(n); }, "n"_a);
   m.def("num_threads", [] { return mlxinfer_cpu::SpinPool::get().size(); });
   m.def("set_int8_decode", &mlxinfer_cpu::set_int8_decode, "on"_a,
-        "avx2i8 only: round decode x to int8 (True, default) or int16 (False, the avx2 set's precision).");
+        "avx2i8 only: round decode x to int8 (True, default) or int16 (False, the avx2 set's precision). Returns "
+        "the previous setting.");
+  m.def("set_int8_prefill", &mlxinfer_cpu::set_int8_prefill, "on"_a,
+        "Sets with the int8 prefill GEMM (the name ends in +int8-prefill): round prefill x to int8 per 32-block "
+        "(True, default) or run the float32 tiles (False). Returns the previous setting.");
   m.def("isa", [] { return std::string(mlxinfer_cpu::select_kernels().isa); });
   // The MLX headers this module was compiled against; the C++ ABI is tied to that exact version.
   m.attr("mlx_version") = MLXINFER_STR(MLX_VERSION_MAJOR) "." MLXINFER_STR(MLX_VERSION_MINOR) "." MLXINFER_STR(MLX_VERSION_PATCH);

@@ -91,7 +91,7 @@ KernelSet avx2int_kernels();  // isa "avx2": int16 x decode (qmm_avx2int.cpp), f
 KernelSet avx2i8_kernels();   // isa "avx2i8": int8 x decode for 4-bit weights (qmm_avx2i8.cpp), else avx2's
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
-KernelSet with_int8_prefill(KernelSet ks);  // + the AVX2 int8 prefill (MLXINFER_PREFILL=int8|float)
+KernelSet with_int8_prefill(KernelSet ks);  // + the AVX2 int8 prefill (default; MLXINFER_PREFILL=float: none)
 #elif defined(__aarch64__)
 KernelSet neon_kernels();
 #endif
@@ -101,8 +101,11 @@ KernelSet neon_kernels();
 const KernelSet& select_kernels();
 
 // On (default): 4-bit decode matvecs of an int8_x set (avx2i8) round x to int8; off: to int16 as avx2 does.
-// In quantized.cpp.
-void set_int8_decode(bool on);
+// Returns the previous setting. In quantized.cpp.
+bool set_int8_decode(bool on);
+// On (default): prefill of a set with qmm_i8 (4-bit weights) rounds x to int8 per 32-block; off: float32 tiles.
+// Returns the previous setting. In quantized.cpp.
+bool set_int8_prefill(bool on);
 
 }  // namespace mlxinfer_cpu
 

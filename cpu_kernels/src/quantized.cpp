@@ -90,6 +90,8 @@ constexpr int64_t kSerialWeights = 128 * 1024;
 
 // Off: KernelSet::int8_x sets prepare int16 x instead (the load-time self-check compares formulas, not rounding).
 std::atomic<bool> int8_decode{true};
+// Off: prefill runs the float32 tiles even where the set has the int8 GEMM (the self-check, float-parity tests).
+std::atomic<bool> int8_prefill{true};
 
 // Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
 inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
@@ -239,7 +241,8 @@ std::vector<RowTask> split_rows(const std::vector<QmmArgs>& args, int rows) {
 }
 }  // namespace
 
-void set_int8_decode(bool on) { int8_decode.store(on, std::memory_order_relaxed); }
+bool set_int8_decode(bool on) { return int8_decode.exchange(on, std::memory_order_relaxed); }
+bool set_int8_prefill(bool on) { return int8_prefill.exchange(on, std::memory_order_relaxed); }
 
 void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {
   thread_local std::vector<float> xbuf;
@@ -306,7 +309,7 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     pool.run(static_cast<int>(tasks.size()), [&](int t, int) {
       ks.qmv(args[tasks[t].w], tasks[t].n0, tasks[t].n1);
     });
-  } else if (bits == 4 && ks.qmm_i8) {
+  } else if (bits == 4 && ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed)) {
     // Int8 prefill: x rounded to int8 per 32-block once (layout in XInt8), weights unpacked per task. One MLX
     // allocation, as for the packed float x below.
     const int mpad = (M + kI8RowBlock - 1) / kI8RowBlock * kI8RowBlock;

@@ -102,7 +102,8 @@ def provenance_lines(records: list[dict]) -> list[str]:
             f"{fmt_bytes(m['weight_bytes'])} weights, revision {m['revision'] or '-'}",
             f"engine {e['name']} {e['version']}"
             + (f" @ {e['git_commit'][:10]}{' (dirty)' if e.get('git_dirty') else ''}" if e.get("git_commit") else "")
-            + f": mlx {e['mlx']}, mlx-lm {e['mlx_lm']}, backend {e['backend']}, kernels {e['kernels']}",
+            + f": mlx {e['mlx']}, mlx-lm {e['mlx_lm']}, backend {e['backend']}, kernels {e['kernels']}"
+            + (" (prefill at int8)" if "prefill at int8" in (e.get("kernels_detail") or "") else ""),
             f"hardware: {h['chip']}, {h['cpu_cores']} cores, {fmt_bytes(h['memory_bytes'])} memory, peak bandwidth "
             + (f"{h['bandwidth_gbps']:.1f} GB/s ({h['bandwidth_source']})" if h.get("bandwidth_gbps") else "unknown")
             + f"; {o['platform']}, Python {o['python']}",

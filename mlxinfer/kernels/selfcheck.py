@@ -25,8 +25,9 @@ from mlxinfer.kernels.layers import (
 )
 
 # Relative to the reference output's largest magnitude. The fused paths differ from MLX's by rounding only
-# (activations rounded to int16 per group in the VNNI matvec, a float16 KV cache): measured ≤ 3e-3 on the tiny
-# and real models; a changed formula (scaled queries, another activation, a bias) gives 1e-1 and more.
+# (activations rounded to int16 per group in the VNNI matvec, a float16 KV cache; the int8 paths are off while
+# checking): measured ≤ 3e-3 on the tiny and real models; a changed formula (scaled queries, another activation,
+# a bias) gives 1e-1 and more.
 TOLERANCE = 2e-2
 PREFILL, SEED = 5, 1234
 
@@ -142,7 +143,7 @@ def _error(m: nn.Module) -> float:
     xs = _inputs(m)
     if xs is None:
         return 0.0
-    with _int16_decode():
+    with _precise_activations():
         fused = _run(m, m, xs)
     base = builtin_class(type(m))
     with _unfused_view(m):
@@ -155,21 +156,22 @@ def _error(m: nn.Module) -> float:
 
 
 @contextlib.contextmanager
-def _int16_decode() -> Iterator[None]:
-    """The avx2i8 kernels' decode x at int16 while checking: int8 x (llama.cpp-grade, ~1-2% of a layer's output on
-    random input) would hide a changed formula in its rounding; test_qmm_avx2i8.py holds the int8 path."""
+def _precise_activations() -> Iterator[None]:
+    """The native kernels' activations at their precise rounding while checking: decode x at int16 (avx2i8) and
+    prefill x at float32 (the AVX2 int8 prefill GEMM). Int8 x (llama.cpp-grade, ~1-3% of a layer's output on
+    random input) would hide a changed formula in its rounding; test_qmm_avx2i8.py, test_qmm_avx2i8gemm.py and
+    test_spec_layers.py hold the int8 paths. The settings found are restored."""
     from mlxinfer import native
 
     ext = native.extension()
-    toggle = getattr(ext, "set_int8_decode", None)
-    if toggle is None:
-        yield
-        return
-    toggle(False)
+    toggles = [getattr(ext, name, None) for name in ("set_int8_decode", "set_int8_prefill")]
+    toggles = [t for t in toggles if t is not None]
+    before = [t(False) for t in toggles]
     try:
         yield
     finally:
-        toggle(True)
+        for t, was in zip(toggles, before):
+            t(True if was is None else was)  # an older build's setter returns nothing: its default was on
 
 
 @contextlib.contextmanager

@@ -13,7 +13,10 @@ a build is used only when its stamp matches the running MLX (and, in a source ch
 
 Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
 (default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
-forces a kernel variant (for tests).
+forces a kernel variant (for tests). Where an AVX2 set runs, prefill (4-bit weights, more than 8 rows) rounds x to
+int8 per 32-element block (llama.cpp's Q8_0 grade, 1.6-3x its prefill; the set's name ends in ``+int8-prefill``);
+``MLXINFER_PREFILL=float`` keeps the float32 tiles (the built-ins' accuracy). ``prefill_problem()`` is the one line
+for any other value, which the kernels ignore.
 """
 
 from __future__ import annotations
@@ -139,6 +142,33 @@ def problem() -> Optional[str]:
     reason = _state["reason"].split("; run:")[0]
     return (f"{reason}: decode is several times slower on MLX's built-in kernels; fix: {build_command()} "
             "(MLXINFER_NATIVE=0 hides this)")
+
+
+PREFILL_MODES = ("int8", "float")  # MLXINFER_PREFILL, as cpu_kernels/src/qmm_avx2i8gemm.cpp reads it
+INT8_PREFILL = "+int8-prefill"  # the suffix of a kernel set's name while its prefill rounds x to int8
+
+
+def prefill_problem() -> Optional[str]:
+    """One line when MLXINFER_PREFILL holds a value the kernels do not know (they then keep the default), else
+    None."""
+    value = os.environ.get("MLXINFER_PREFILL", "")
+    if value in PREFILL_MODES or value == "":
+        return None
+    return (f"MLXINFER_PREFILL={value!r} is not a prefill mode and is ignored (prefill keeps its default); set "
+            f"MLXINFER_PREFILL={' or '.join(PREFILL_MODES)}, or unset it")
+
+
+def report_notes() -> list:
+    """Clauses for the kernel report: the prefill precision when it is int8, and a bad MLXINFER_PREFILL."""
+    module = _load()
+    notes = []
+    if module is not None and module.isa().endswith(INT8_PREFILL):
+        notes.append(f"prefill at int8 ({module.isa()}: the 4-bit layers' x rounded per 32-block, llama.cpp's Q8_0 "
+                     "grade; MLXINFER_PREFILL=float for float32)")
+    line = prefill_problem()
+    if line:
+        notes.append(f"warning: {line}")
+    return notes
 
 
 def build_command() -> str:

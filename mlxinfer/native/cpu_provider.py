@@ -22,6 +22,12 @@ class NativeCpuProvider:
     def __init__(self, ext: ModuleType):
         self._ext = ext
 
+    def report_notes(self) -> list:
+        """Clauses for the kernel report (the prefill precision, a bad MLXINFER_PREFILL)."""
+        from mlxinfer import native
+
+        return native.report_notes()
+
     def quantized_matmul(self, x, w, scales, biases, *, group_size: int, bits: int, mode: str = "affine",
                          residual: Optional[mx.array] = None) -> Optional[mx.array]:
         # MLX's affine 4/8-bit format, groups 32/64/128, float x/scales: (..., K) x (N, K)^T -> (..., N),

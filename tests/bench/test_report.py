@@ -229,3 +229,14 @@ def test_bandwidth_over_the_peak_is_flagged_not_printed_as_a_share():
     assert "2 test(s) read faster than the peak" in md and "a measurement problem" in md
     fine = _llama_records()[1]
     assert "(" in report.summary_row(fine)[-1] and "%)" in report.summary_row(fine)[-1]
+
+
+def test_provenance_says_when_prefill_ran_at_int8(records):
+    """The kernel report's int8 prefill clause (the AVX2 default) reaches the engine line: prefill numbers depend
+    on it."""
+    assert "(prefill at int8)" not in "\n".join(report.provenance_lines(records))
+    rows = copy.deepcopy(records)
+    for r in rows:
+        r["engine"]["kernels_detail"] = "cpu-native on cpu: 4 quantized linear layers; prefill at int8 (avx2+int8-prefill)"
+    engine_lines = [line for line in report.provenance_lines(rows) if line.startswith("engine ")]
+    assert engine_lines and all(line.endswith(" (prefill at int8)") for line in engine_lines), engine_lines

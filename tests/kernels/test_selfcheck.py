@@ -135,3 +135,35 @@ def test_broken_per_op_kernel_falls_back_to_builtins(native, monkeypatch):
     assert type(layer.self_attn.q_proj) is nn.QuantizedLinear and type(layer.mlp.down_proj) is nn.QuantizedLinear
     assert all(getattr(type(m), "_fused_base", None) is None for _, m in model.named_modules())
     patch.apply_kernels(model, "builtin")
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_selfcheck_runs_precise_activations_and_restores_them(native, monkeypatch, int8):
+    """While checking, int8 decode and int8 prefill are off (rounding would hide a changed formula); afterwards each
+    setting is what it was, whichever that was (MLXINFER_PREFILL=float users and the float-parity tests keep
+    theirs)."""
+    from mlxinfer import native as native_mod
+
+    ext = native_mod.extension()
+    seen = []
+    real_run = selfcheck._run
+
+    def read(setter):  # the setters return the setting they replace: put it straight back
+        value = setter(False)
+        setter(value)
+        return value
+
+    def spy(m, call, xs):
+        seen.append((read(ext.set_int8_prefill), read(ext.set_int8_decode)))
+        return real_run(m, call, xs)
+
+    monkeypatch.setattr(selfcheck, "_run", spy)
+    before = (ext.set_int8_prefill(int8), ext.set_int8_decode(int8))
+    try:
+        patch.apply_kernels(tiny_llama(), "auto")
+        assert seen[0] == (False, False)  # the fused run (the first) saw both off
+        assert seen[1] == (int8, int8)  # the reference (MLX's own layers) after it: restored already
+        assert (ext.set_int8_prefill(int8), ext.set_int8_decode(int8)) == (int8, int8)
+    finally:
+        ext.set_int8_prefill(before[0])
+        ext.set_int8_decode(before[1])

@@ -21,3 +21,16 @@ def native_ext():
     ext = native.extension()
     assert ext is not None, native.status()
     return ext
+
+
+@pytest.fixture
+def float_prefill(native_ext):
+    """Prefill at float32 while the test runs (the AVX2 int8 prefill GEMM, the default there, off): what the
+    load-time self-check sees. Yields whether int8 was on before."""
+    toggle = getattr(native_ext, "set_int8_prefill", None)
+    before = toggle(False) if toggle is not None else False
+    try:
+        yield before
+    finally:
+        if toggle is not None:
+            toggle(before)

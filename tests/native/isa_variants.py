@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def isa_variants(current: str) -> list:
     """The variants a CPU whose best is ``current`` can run (each CPU that runs one runs those before it)."""
@@ -10,3 +12,11 @@ def isa_variants(current: str) -> list:
         if current in order:
             return order[: order.index(current) + 1]
     return ["generic"]
+
+
+def kernel_set_name(isa: str, env=None) -> str:
+    """The name a process forced to ``isa`` reports: the AVX2 integer sets prefill at int8 by default (the name
+    says so) unless MLXINFER_PREFILL=float."""
+    env = os.environ if env is None else env
+    int8 = isa in ("avx2", "avx2i8") and env.get("MLXINFER_PREFILL") != "float"
+    return isa + ("+int8-prefill" if int8 else "")

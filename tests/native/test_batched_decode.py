@@ -15,7 +15,10 @@ from mlx_lm.models import cache as cache_lib
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 import tiny_arch  # noqa: E402
 
-pytestmark = pytest.mark.slow  # loads models and needs the compiled extension
+pytestmark = [pytest.mark.slow,  # loads models and needs the compiled extension
+              # Float parity with MLX: prefill at float32 (the AVX2 int8 prefill GEMM off, as the load-time
+              # self-check runs); tests/kernels/test_spec_layers.py holds the int8 default to its tolerance.
+              pytest.mark.usefixtures("float_prefill")]
 
 PROMPTS = [[5 + 13 * j % 397 for j in range(n)] for n in (9, 3, 17, 6)]
 STEPS = 6

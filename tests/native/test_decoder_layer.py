@@ -9,7 +9,10 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
+pytestmark = [pytest.mark.slow,  # needs the compiled extension (built by the fixture when missing)
+              # Float parity with MLX: prefill at float32 (the AVX2 int8 prefill GEMM off, as the load-time
+              # self-check runs); tests/kernels/test_spec_layers.py holds the int8 default to its tolerance.
+              pytest.mark.usefixtures("float_prefill")]
 
 # (B, L, hidden, intermediate, n_heads, n_kv_heads, head_dim, rope dims, offset, group, bits, window, kind, half)
 CASES = [

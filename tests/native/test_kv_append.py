@@ -6,7 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
+pytestmark = [pytest.mark.slow,  # needs the compiled extension (built by the fixture when missing)
+              # Float parity with MLX: prefill at float32 (the AVX2 int8 prefill GEMM off, as the load-time
+              # self-check runs); tests/kernels/test_spec_layers.py holds the int8 default to its tolerance.
+              pytest.mark.usefixtures("float_prefill")]
 
 
 def _ptr(a):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
+pytestmark = [pytest.mark.slow,  # needs the compiled extension (built by the fixture when missing)
+              # Float parity with MLX: prefill at float32 (the AVX2 int8 prefill GEMM off, as the load-time
+              # self-check runs); tests/kernels/test_spec_layers.py holds the int8 default to its tolerance.
+              pytest.mark.usefixtures("float_prefill")]
 
 
 def _reference(x, ws, n_heads, n_kv_heads, head_dim, dims, traditional, base, scale, offset, group_size, bits):

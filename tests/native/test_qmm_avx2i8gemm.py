@@ -1,5 +1,6 @@
-"""The AVX2 int8 prefill GEMM (MLXINFER_PREFILL=int8: x rounded to int8 per 32-element block, vpmaddubsw on
-4-bit weights), in its own process (the kernel set is chosen once per process).
+"""The AVX2 int8 prefill GEMM (the default on the avx2/avx2i8 sets, MLXINFER_PREFILL=float opts out: x rounded to
+int8 per 32-element block, vpmaddubsw on 4-bit weights), in its own process (the kernel set is chosen once per
+process), its run-time switch (set_int8_prefill) and the line for an MLXINFER_PREFILL value it does not know.
 
 Rounding x to int8 costs ~0.5% of an output's scale (llama.cpp's Q8_0 grade), so the kernel is held to two
 references: the exact product (loosely: up to 3% of the largest output for a short K next to an outlier) and an int8-aware float64 reference that
@@ -86,9 +87,10 @@ _PARITY = textwrap.dedent(
 )
 
 
-def _env(prefill):
-    env = {**os.environ, "MLXINFER_ISA": "avx2", "MLXINFER_THREADS": "2", "MLXINFER_PREFILL": prefill}
-    return env
+def _env(prefill, isa="avx2"):
+    """MLXINFER_PREFILL=prefill (None: unset, the default) for a subprocess."""
+    env = {**os.environ, "MLXINFER_ISA": isa, "MLXINFER_THREADS": "2", "MLXINFER_PREFILL": prefill}
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def _skip_unless_avx2(native_ext):
@@ -98,7 +100,7 @@ def _skip_unless_avx2(native_ext):
 
 def test_int8_prefill_parity(native_ext):
     _skip_unless_avx2(native_ext)
-    proc = subprocess.run([sys.executable, "-c", _PARITY], env=_env("int8"), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _PARITY], env=_env(None), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     isa, cases, exact, i8 = proc.stdout.split()
@@ -127,3 +129,84 @@ def test_float_prefill_is_unchanged(native_ext):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout) < 2e-5
+
+
+_NAME = "from mlxinfer import native; print(native.extension().isa(), native.prefill_problem())"
+
+
+@pytest.mark.parametrize("isa,prefill,name", [
+    ("avx2", None, "avx2+int8-prefill"), ("avx2", "int8", "avx2+int8-prefill"), ("avx2", "float", "avx2"),
+    ("avx2i8", None, "avx2i8+int8-prefill"), ("avx2i8", "float", "avx2i8"), ("avx2float", None, "avx2float"),
+    ("avx2", "Float", "avx2+int8-prefill"),
+])
+def test_the_kernel_set_name_says_int8_prefill(native_ext, isa, prefill, name):
+    """Default on the AVX2 integer sets, off with MLXINFER_PREFILL=float, never on avx2float; the name (kernel
+    report, bench provenance) carries the choice. An unknown value is ignored by the kernels and named in one line."""
+    _skip_unless_avx2(native_ext)
+    proc = subprocess.run([sys.executable, "-c", _NAME], env=_env(prefill, isa), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, problem = proc.stdout.strip().split(" ", 1)
+    assert got == name
+    if prefill == "Float":
+        assert problem.startswith("MLXINFER_PREFILL='Float' is not a prefill mode") and "int8 or float" in problem
+    else:
+        assert problem == "None"
+
+
+def test_set_int8_prefill_switches_at_run_time(native_ext):
+    """set_int8_prefill(False) (the self-check's setting) runs the float32 tiles in this process, True the int8
+    GEMM again; each call returns the setting it replaced."""
+    if not native_ext.isa().endswith("+int8-prefill"):
+        pytest.skip(f"no int8 prefill in this kernel set ({native_ext.isa()})")
+    import mlx.core as mx
+
+    mx.random.seed(2)
+    q, s, b = mx.quantize(mx.random.normal((97, 640)), group_size=32, bits=4)
+    x = mx.random.normal((33, 640))
+    t = x @ mx.dequantize(q, s, b, group_size=32, bits=4).T
+
+    def err():
+        out = native_ext.quantized_matmul(x, q, s, b, group_size=32, bits=4)
+        return (mx.abs(out - t).max() / mx.abs(t).max()).item()
+
+    before = native_ext.set_int8_prefill(False)
+    try:
+        assert before is True
+        assert err() < 2e-5
+        assert native_ext.set_int8_prefill(True) is False
+        assert 1e-3 < err() < 5e-2
+    finally:
+        native_ext.set_int8_prefill(before)
+
+
+def test_report_and_cli_name_a_bad_prefill_value(native_ext, monkeypatch):
+    """MLXINFER_PREFILL=Float (any value but int8|float): one warning line on stderr after a load and a warning
+    clause in the kernel report, both saying how to fix it; the valid values and unset give none."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from mlxinfer import native
+    from mlxinfer.ui.progress import warn_native_kernels
+
+    loaded = SimpleNamespace(backend="cpu", kernels="cpu-native")
+    for value in ("int8", "float", ""):
+        monkeypatch.setenv("MLXINFER_PREFILL", value)
+        assert native.prefill_problem() is None and not any("warning" in n for n in native.report_notes())
+    monkeypatch.delenv("MLXINFER_PREFILL")
+    assert native.prefill_problem() is None
+    monkeypatch.setenv("MLXINFER_PREFILL", "in8")
+    line = "MLXINFER_PREFILL='in8' is not a prefill mode and is ignored (prefill keeps its default); set " \
+           "MLXINFER_PREFILL=int8 or float, or unset it"
+    assert native.prefill_problem() == line
+    assert f"warning: {line}" in native.report_notes()
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    warn_native_kernels(loaded, "auto", console)
+    warn_native_kernels(loaded, "auto", console)  # once per process
+    assert out.getvalue() == f"warning: {line}\n"
+    out2 = io.StringIO()
+    warn_native_kernels(loaded, "builtin", Console(file=out2))  # kernels off on request: nothing to warn about
+    assert out2.getvalue() == ""
