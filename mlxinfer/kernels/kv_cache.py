@@ -15,6 +15,9 @@ Everything else is mlx-lm's ``KVCache`` (``update_and_fetch``, ``state``, ``trim
 ``BatchKVCache``), so code written for mlx-lm's prompt caches keeps working. Like it, the buffers grow in steps
 of ``step`` positions; they hold float16 unless ``MLXINFER_KV_DTYPE=float32`` (:func:`kv_dtype`).
 
+:class:`InPlaceRotatingKVCache` is the same for a sliding-window layer on mlx-lm's ``RotatingKVCache``: it holds
+O(window) positions under the same rules (its writes move forward in the buffer; a full one is copied).
+
 :class:`NativeBatchKVCache` is mlx-lm's left-padded ``BatchKVCache`` (batched decode: ``mlxinfer serve``,
 ``bench -b``) whose update is the provider's ``kv_append`` at the shared index (buffers grown by ``kv_reserve``),
 so that a batched step runs RoPE, the KV update and attention natively (per-row offsets, ``left_padding``).
