@@ -169,3 +169,26 @@ def test_a_taken_state_is_not_changed_by_later_steps(model):
         mx.eval(cache[0].state)
     assert np.array_equal(np.array(k), before[0]) and np.array_equal(np.array(v), before[1])
     assert k.shape[2] == WINDOW and cache[0].size() == WINDOW
+
+
+def test_batched_rows_and_an_extracted_row_match_alone(model):
+    """The server's way: rows prefilled alone, merged by mlx-lm (the sliding layer's caches into a
+    BatchRotatingKVCache), decoded together past the window, then one row extracted (mlx-lm's RotatingKVCache,
+    taken over by the op) decoding alone again: the logits of that row decoded alone all the way."""
+    patch.apply_kernels(model, "auto")
+    prompts, together, after = [PROMPT, PROMPT[5:15]], 12, 12
+    tokens = _greedy_tokens(model, together + after)
+    alone = cache_lib.make_prompt_cache(model)
+    want = [_step(model, alone, PROMPT)] + [_step(model, alone, [t]) for t in tokens]
+
+    caches = [cache_lib.make_prompt_cache(model) for _ in prompts]
+    got = [_step(model, caches[0], prompts[0])]
+    _step(model, caches[1], prompts[1])
+    batch = [layer[0].merge(list(layer)) for layer in zip(*caches)]
+    assert type(batch[0]) is cache_lib.BatchRotatingKVCache
+    for t in tokens[:together]:
+        got.append(model(mx.array([[t], [t]]), cache=batch)[0, -1])
+    row = [c.extract(0) for c in batch]
+    got += [_step(model, row, [t]) for t in tokens[together:]]
+    assert type(row[0]) is InPlaceRotatingKVCache and row[0].offset == len(PROMPT) + len(tokens)
+    assert _rel_err(mx.stack(got), mx.stack(want)) < REL_TOL
