@@ -12,7 +12,8 @@
 // names are the ones in kSlots below; Python builds the list from the spec), resolves them to input indexes once
 // and returns a plan id. Nothing else knows a position.
 //
-// KV cache: this step's keys/values are written IN PLACE into the k_buf / v_buf inputs at [offset, offset + L);
+// KV cache: this step's keys/values are written IN PLACE into the k_buf / v_buf inputs at [write, write + L)
+// (write = offset unless a sliding layer's cache keeps only its window: then RoPE uses offset, the buffer write);
 // the op's outputs are (y, k_buf', v_buf'), the last two sharing the input buffers, so that evaluating the cache
 // (mx.eval(cache.state)) runs the op. That breaks MLX's value semantics for those buffers on purpose: it is safe
 // because the only caller (mlxinfer/kernels/fused_block.py, through kernels.kv_cache.InPlaceKVCache) passes
@@ -70,8 +71,8 @@ int slot_of(const std::string& name) {
 
 class NativeDecoderLayer : public mx::Primitive {
  public:
-  NativeDecoderLayer(mx::Stream s, int plan, int offset, bool causal)
-      : mx::Primitive(s), plan_(plan), offset_(offset), causal_(causal) {}
+  NativeDecoderLayer(mx::Stream s, int plan, int offset, bool causal, int write, int first)
+      : mx::Primitive(s), plan_(plan), offset_(offset), causal_(causal), write_(write), first_(first) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("[mlxinfer_cpu] decoder_layer runs on the CPU stream only");
@@ -86,6 +87,7 @@ class NativeDecoderLayer : public mx::Primitive {
  private:
   int plan_, offset_;
   bool causal_;
+  int write_, first_;  // buffer index of this step's first key / of the oldest key attended (see decoder_layer)
 };
 
 QWeight qw(const std::vector<mx::array>& in, const LayerPlan& p, int l, float* out) {
@@ -131,7 +133,8 @@ void act_mul(int act, float* g, float* u, float* out, size_t rows, int I, size_t
   }
 }
 
-void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, int offset, bool causal) {
+void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, int offset, bool causal, int write,
+               int first) {
   const int hq = p.hq, hkv = p.hkv, d = p.d, gs = p.gs, bits = p.bits;
   const int n_in = static_cast<int>(in.size());
   const mx::array& x = in[0];
@@ -201,20 +204,20 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   scatter_heads(fq, qh, B, L, hq, d, rope, offset, periods, L, 0);
   const RopeSpec no_rope{0, false, 1.f, 1.f};
   if (!half) {
-    scatter_heads(fk, kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, offset);
-    scatter_heads(fv, vbuf.data<float>(), B, L, hkv, d, no_rope, 0, nullptr, cap, offset);
+    scatter_heads(fk, kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, write);
+    scatter_heads(fv, vbuf.data<float>(), B, L, hkv, d, no_rope, 0, nullptr, cap, write);
   } else {
     scatter_heads(fk, kh, B, L, hkv, d, rope, offset, periods, L, 0);
     scatter_heads(fv, vh, B, L, hkv, d, no_rope, 0, nullptr, L, 0);
     for (int bh = 0; bh < B * hkv; ++bh) {
-      const size_t src = (size_t)bh * L * d, dst = ((size_t)bh * cap + offset) * d * sizeof(uint16_t);
+      const size_t src = (size_t)bh * L * d, dst = ((size_t)bh * cap + write) * d * sizeof(uint16_t);
       convert_floats(kh + src, mx::float32, kbuf.data<char>() + dst, mx::float16, (size_t)L * d);
       convert_floats(vh + src, mx::float32, vbuf.data<char>() + dst, mx::float16, (size_t)L * d);
     }
   }
 
-  // Attention over the cache: all of its first offset + L positions, or for a sliding layer each query's last
-  // `window` positions (itself included), as mlx-lm's create_causal_mask(window_size=...).
+  // Attention over the buffer's keys [first, write + L) (in order, query l at write + l): all of them, or for a
+  // sliding layer each query's last `window` (itself included), as mlx-lm's create_causal_mask(window_size=...).
   SdpaArgs a{};
   a.Hq = hq;
   a.Hkv = hkv;
@@ -229,14 +232,14 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   }
   a.heads_last = true;
   const size_t esize = half ? sizeof(uint16_t) : sizeof(float);
-  if (p.window <= 0 || offset + L <= p.window) {
+  if (p.window <= 0 || write + L - first <= p.window) {
     a.B = B;
     a.L = L;
-    a.S = offset + L;
+    a.S = write + L - first;
     a.causal = causal && L > 1;
     a.q = qh;
-    a.k = kbuf.data<void>();
-    a.v = vbuf.data<void>();
+    a.k = kbuf.data<char>() + (int64_t)first * d * esize;
+    a.v = vbuf.data<char>() + (int64_t)first * d * esize;
     a.out = attn;
     sdpa_exec(a);
   } else {  // one query row at a time over its own window of keys
@@ -245,7 +248,7 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
     a.causal = false;
     for (int b = 0; b < B; ++b)
       for (int l = 0; l < L; ++l) {
-        const int pos = offset + l, start = std::max(0, pos + 1 - p.window);
+        const int pos = write + l, start = std::max(first, pos + 1 - p.window);
         a.S = pos + 1 - start;
         a.q = qh + b * qs[0] + (size_t)l * d;
         a.k = kbuf.data<char>() + (b * ks[0] + (int64_t)start * d) * esize;
@@ -297,10 +300,10 @@ void NativeDecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vec
     plan = plans[plan_];
   }
   enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(outputs[0]), plan, offset = offset_,
-                causal = causal_]() mutable {
+                causal = causal_, write = write_, first = first_]() mutable {
     for (int i = 0; i < static_cast<int>(in.size()) - 2; ++i)
       if (!in[i].flags().row_contiguous) in[i] = row_contiguous_copy(in[i]);
-    run_layer(in, out, plan, offset, causal);
+    run_layer(in, out, plan, offset, causal, write, first);
   });
 }
 
@@ -354,7 +357,8 @@ int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std
 }
 
 std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::array>& arrays, const mx::array& k_buf,
-                                     const mx::array& v_buf, int offset, bool causal, int plan_id) {
+                                     const mx::array& v_buf, int offset, bool causal, int plan_id, int write,
+                                     int first) {
   LayerPlan p;
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
@@ -396,7 +400,9 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::a
     if (b->ndim() != 4 || (b->dtype() != mx::float32 && b->dtype() != mx::float16) || b->dtype() != k_buf.dtype() ||
         b->shape(0) != x.shape(0) || b->shape(1) != p.hkv || b->shape(3) != p.d || b->shape() != k_buf.shape())
       fail("KV buffers must be float32 or float16 (B, n_kv_heads, capacity, head_dim), the same for both");
-  if (offset < 0 || offset + x.shape(1) > k_buf.shape(2)) fail("no room in the KV buffers at this offset");
+  if (write < 0) write = offset;  // a cache holding every position: key i at buffer index i
+  if (offset < 0 || first < 0 || first > write || write + x.shape(1) > k_buf.shape(2))
+    fail("no room in the KV buffers at this write index (or first is past it)");
   for (const auto* b : {&k_buf, &v_buf})
     if (b->is_available() && !(b->flags().row_contiguous && b->data_size() == b->size()))
       fail("KV buffers must be whole row-major buffers (from kv_reserve)");
@@ -404,7 +410,7 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::a
   inputs.push_back(v_buf);
   return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, k_buf.dtype(), v_buf.dtype()},
                                 std::make_shared<NativeDecoderLayer>(mx::to_stream({}, mx::Device::cpu), plan_id,
-                                                                     offset, causal),
+                                                                     offset, causal, write, first),
                                 std::move(inputs));
 }
 

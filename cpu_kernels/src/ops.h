@@ -76,9 +76,12 @@ mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::arra
 // decoder_layer_plan(names, config) resolves the weights' slot names (in the order decoder_layer will get the
 // arrays) and the layer's numbers once and returns a plan id; decoder_layer(x, arrays, k_buf, v_buf, offset,
 // causal, plan) then runs it, writing this step's keys/values IN PLACE into the kv_reserve buffers at offset.
-// Returns [y, k_buf', v_buf'], the last two sharing k_buf's / v_buf's memory.
+// Returns [y, k_buf', v_buf'], the last two sharing k_buf's / v_buf's memory. A windowed cache (kv_cache.py's
+// InPlaceRotatingKVCache) passes write (buffer index of this step's keys; -1: offset) and first (buffer index of
+// the oldest key kept): offset stays the absolute position (RoPE), keys [first, write + L) are attended in order.
 int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std::string, double>& config);
 std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::array>& arrays, const mx::array& k_buf,
-                                     const mx::array& v_buf, int offset, bool causal, int plan_id);
+                                     const mx::array& v_buf, int offset, bool causal, int plan_id, int write = -1,
+                                     int first = 0);
 
 }  // namespace mlxinfer_cpu

@@ -8,8 +8,10 @@ per-op path (or the module's own code) when it returns None.
 
 The op writes this step's keys and values into the cache's buffers in place; ``kernels.kv_cache.InPlaceKVCache``
 owns those buffers and says when that is safe (its module doc has the rules). Sliding-window layers (Gemma's
-local layers) use one too: the op reads only each query's last ``window`` positions, so the cache keeps every
-position (more memory than mlx-lm's RotatingKVCache, the same maths). This module is the op's only caller. The
+local layers) get an ``InPlaceRotatingKVCache``: mlx-lm's RotatingKVCache semantics, O(window) positions held;
+the op then writes at a buffer index apart from the position (RoPE) and attends from the oldest kept key, each
+query to its last ``window`` keys (given a plain cache instead, it reads the window of one that keeps every
+position: the same maths). This module is the op's only caller. The
 block's fixed arguments are worked out once (:func:`prepare`) and kept on the block as a :class:`BlockPlan`.
 """
 
@@ -21,7 +23,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from mlxinfer.kernels import spec as spec_lib
-from mlxinfer.kernels.kv_cache import InPlaceKVCache, kv_dtype
+from mlxinfer.kernels.kv_cache import InPlaceKVCache, InPlaceRotatingKVCache, kv_dtype
 
 
 @dataclass(frozen=True)
@@ -74,18 +76,23 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
         # A sliding layer's window mask is the one the op computes itself (gemma3_text makes it from the window).
         if not (spec.sliding_window and isinstance(mask, mx.array) and mask.dtype == mx.bool_):
             return None
-    cache = InPlaceKVCache.adopt(cache)
+    ring = InPlaceRotatingKVCache.adopt(cache, spec.sliding_window) if spec.sliding_window else None
+    cache = ring if ring is not None else InPlaceKVCache.adopt(cache)
     if cache is None or not isinstance(cache.offset, int):
         return None
     provider = block._kernel_provider
     buffers = cache.writable(provider, (x.shape[0], spec.n_kv_heads, spec.head_dim), x.shape[1])
     if buffers is None:
         return None
-    out = provider.decoder_layer(x, [o[k] for o, k in plan.owners], *buffers, offset=cache.offset,
-                                 causal=mask is not None, plan=plan.plan)
+    k_buf, v_buf, write, first = buffers if ring is not None else (*buffers, cache.offset, 0)
+    out = provider.decoder_layer(x, [o[k] for o, k in plan.owners], k_buf, v_buf, offset=cache.offset,
+                                 causal=mask is not None, plan=plan.plan, write=write, first=first)
     if out is None:  # a model the op does not take: stop asking for this block
         block._native_plan = None
         return None
     y, k, v = out
-    cache.written(provider, k, v, x.shape[1])
+    if ring is not None:
+        cache.written(provider, k, v, write, first, x.shape[1])
+    else:
+        cache.written(provider, k, v, x.shape[1])
     return y

@@ -15,6 +15,9 @@ Everything else is mlx-lm's ``KVCache`` (``update_and_fetch``, ``state``, ``trim
 ``BatchKVCache``), so code written for mlx-lm's prompt caches keeps working. Like it, the buffers grow in steps
 of ``step`` positions; they hold float16 unless ``MLXINFER_KV_DTYPE=float32`` (:func:`kv_dtype`).
 
+:class:`InPlaceRotatingKVCache` is the same for a sliding-window layer on mlx-lm's ``RotatingKVCache``: it holds
+O(window) positions under the same rules (its writes move forward in the buffer; a full one is copied).
+
 :class:`NativeBatchKVCache` is mlx-lm's left-padded ``BatchKVCache`` (batched decode: ``mlxinfer serve``,
 ``bench -b``) whose update is the provider's ``kv_append`` at the shared index (buffers grown by ``kv_reserve``),
 so that a batched step runs RoPE, the KV update and attention natively (per-row offsets, ``left_padding``).
@@ -98,6 +101,104 @@ class InPlaceKVCache(KVCache):
         self._high_water = self.offset  # every write so far ended here (a fresh buffer starts with what it copied)
 
 
+class InPlaceRotatingKVCache(RotatingKVCache):
+    """mlx-lm's ``RotatingKVCache`` (``keep`` 0) of a one-op sliding-window layer: it holds O(window) positions,
+    and its buffers the op writes in place under the module doc's rules (writes only past the high-water mark).
+
+    Layout: ``keys``/``values`` are whole kv_reserve buffers whose valid entries, in temporal order, are
+    ``[_first, _first + _idx)``. Each step keeps the last ``max_size - 1`` of them and appends L, as mlx-lm's
+    ``_update_concat`` does (its decode ring holds the same keys in another order; attention does not care), so
+    the oldest kept entry moves forward in the buffer; when the buffer is full the kept entries go to a fresh
+    one with room for ``max_size // 4`` more steps (one copy of the window every window/4 decode steps).
+    ``state`` is mlx-lm's (temporal order, ``_idx`` entries), so ``trim``, ``make_mask``, ``size``, merging into
+    a ``BatchRotatingKVCache`` and mlx-lm's own update (when the op declines a call) keep working."""
+
+    _owned: Optional[Tuple[mx.array, mx.array, int, int]] = None  # as InPlaceKVCache
+    _high_water: int = 0  # buffer index: the op writes only at or past it in the owned buffers
+    _first: int = 0  # buffer index of the oldest valid entry
+
+    @classmethod
+    def adopt(cls, cache: Any, window: int) -> Optional["InPlaceRotatingKVCache"]:
+        """``cache`` as an InPlaceRotatingKVCache of ``window`` positions: itself, or mlx-lm's own (e.g. one
+        ``BatchRotatingKVCache.extract`` made) turned into one, owning nothing yet; None otherwise."""
+        if type(cache) is RotatingKVCache and cache.keep == 0 and cache.max_size == window:
+            state = cache.state
+            cache.__class__ = cls
+            cache.state = state  # its layout (perhaps rotated) into temporal order
+        if isinstance(cache, cls) and cache.keep == 0 and cache.max_size == window:
+            return cache
+        return None
+
+    def _temporal_order(self, v: mx.array) -> mx.array:
+        return v[..., self._first:self._first + self._idx, :]
+
+    def keys_and_values(self) -> Tuple[mx.array, mx.array]:
+        return self._temporal_order(self.keys), self._temporal_order(self.values)
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return None, None, self.offset, self.keep, self.max_size, self._idx
+        k, v = self.keys_and_values()
+        return k, v, self.offset, self.keep, self.max_size, self._idx
+
+    @state.setter
+    def state(self, v) -> None:
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
+        self._first, self._owned = 0, None
+        if self.keys is not None:  # mlx-lm's layout (perhaps rotated) -> temporal order from 0
+            self.keys = RotatingKVCache._temporal_order(self, self.keys)
+            self.values = RotatingKVCache._temporal_order(self, self.values)
+            self._idx = self.keys.shape[2]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """mlx-lm's update for a call the op does not take: its concatenating update (for L = 1 too: the same
+        keys as its ring, in temporal order), which leaves the layout above with ``_first`` 0."""
+        self._owned = None
+        out = self._update_concat(keys, values)
+        self._first = 0
+        return out
+
+    def writable(self, provider: Any, head_shape: Tuple[int, int, int],
+                 L: int) -> Optional[Tuple[mx.array, mx.array, int, int]]:
+        """(k_buf, v_buf, write, first) for ``decoder_layer``: the buffers (installed in the cache), the buffer index
+        of this step's first key and of the oldest key to attend; None when the provider cannot make buffers."""
+        keys, values, owned, n = self.keys, self.values, self._owned, self._idx if self.keys is not None else 0
+        kept = min(n, self.max_size - 1)
+        end = self._first + n
+        if (owned is not None and keys is not None and end >= self._high_water and end + L <= keys.shape[2]
+                and provider.array_id(keys) == owned[2] and provider.array_id(values) == owned[3]):
+            return keys, values, end, end - kept
+        B, H, D = head_shape
+        need, window = kept + L, self.max_size
+        limit = window + max(window // 4, 1)  # the most a decode step keeps: the window and room for window/4
+        capacity = max(need, limit) if need >= window else min((need + self.step - 1) // self.step * self.step,
+                                                                limit)
+        dtype = kv_dtype()
+        try:
+            src = (self._temporal_order(keys)[..., n - kept:, :], self._temporal_order(values)[..., n - kept:, :]) \
+                if kept else (None, None)
+            k, v = (provider.kv_reserve((B, H, capacity, D), s, valid=kept, dtype=dtype) for s in src)
+        except (ValueError, TypeError):  # e.g. a cache another model filled (other shapes or dtype)
+            return None
+        self.keys, self.values, self._first, self._idx = k, v, 0, kept
+        self._own(provider, kept)
+        return k, v, kept, 0
+
+    def written(self, provider: Any, k: mx.array, v: mx.array, write: int, first: int, n: int) -> None:
+        """After ``decoder_layer`` wrote n keys at ``write``: hold its outputs (see InPlaceKVCache.written), the
+        kept entries now ``[first, write + n)``."""
+        self.keys, self.values = k, v
+        self._first, self._idx = first, write + n - first
+        self.offset += n
+        self._own(provider, write + n)
+
+    def _own(self, provider: Any, end: int) -> None:
+        k, v = self.keys, self.values
+        self._owned = (provider.array_handle(k), provider.array_handle(v), provider.array_id(k), provider.array_id(v))
+        self._high_water = end
+
+
 class NativeBatchKVCache(BatchKVCache):
     """mlx-lm's ``BatchKVCache`` whose update is one native op per buffer (``append``). Its buffers are MLX
     values like mlx-lm's (``kv_append`` writes in place only when nothing else holds them), so ``merge``,
@@ -171,8 +272,8 @@ class NativeBatchKVCache(BatchKVCache):
 def cache_maker(model: Any, windowed: frozenset = frozenset()) -> Callable[[], list]:
     """A ``make_cache`` for ``model``: what its class' ``make_cache`` makes (or, without one, what mlx-lm's
     ``make_prompt_cache`` makes: a ``KVCache`` per layer), each plain ``KVCache`` an InPlaceKVCache; so are the
-    ``RotatingKVCache``s of the layers in ``windowed`` (one-op sliding-window layers, which read only the last
-    window of a cache that keeps every position). It holds the model weakly, so that setting it on the model
+    ``RotatingKVCache``s of the layers in ``windowed`` (one-op sliding-window layers) InPlaceRotatingKVCaches
+    of the same size. It holds the model weakly, so that setting it on the model
     makes no reference cycle (the weights go with the model)."""
     own = getattr(type(model), "make_cache", None)
     ref = weakref.ref(model)
@@ -180,7 +281,7 @@ def cache_maker(model: Any, windowed: frozenset = frozenset()) -> Callable[[], l
     def make_cache() -> list:
         model = ref()
         caches = own(model) if own is not None else [KVCache() for _ in model.layers]
-        return [InPlaceKVCache() if i in windowed and type(c) is RotatingKVCache and c.keep == 0
+        return [InPlaceRotatingKVCache(c.max_size) if i in windowed and type(c) is RotatingKVCache and c.keep == 0
                 else InPlaceKVCache.adopt(c) or c for i, c in enumerate(caches)]
 
     return make_cache

@@ -183,8 +183,7 @@ def _native_takes(m: nn.Module, dtype) -> bool:
 
 def _windowed_layers(model: nn.Module) -> frozenset:
     """Indexes in ``model.layers`` of the sliding-window layers, when every one of them runs as one op (their
-    RotatingKVCaches then become in-place caches the op reads windowed; a mix would give the model's shared
-    window mask two cache layouts), else none."""
+    RotatingKVCaches then become InPlaceRotatingKVCaches the op writes in place), else none."""
     blocks = list(getattr(model, "layers", None) or [])
     sliding = [i for i, b in enumerate(blocks) if getattr(getattr(b, "self_attn", None), "is_sliding", False)]
     if sliding and all(fused_block.is_one_op(blocks[i]) and fused_block.window_of(blocks[i]) for i in sliding):

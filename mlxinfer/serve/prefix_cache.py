@@ -40,8 +40,10 @@ class PrefixCache:
     def store(self, tokens: list[int], cache: list) -> None:
         """Keep a copy of ``cache`` (per-layer KVCache holding exactly ``tokens``)."""
         import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
 
-        if self.max_bytes <= 0 or len(tokens) < MIN_REUSE or any(not hasattr(c, "keys") for c in cache):
+        # Only caches holding every position (a sliding-window layer's rotating cache has dropped the oldest).
+        if self.max_bytes <= 0 or len(tokens) < MIN_REUSE or any(not isinstance(c, KVCache) for c in cache):
             return
         n = len(tokens)
         if any(c.keys is None or c.offset < n for c in cache):

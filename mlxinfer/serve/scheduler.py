@@ -239,10 +239,8 @@ class Engine:
     # ---- the decode batch -------------------------------------------------------------------------------------
     def _join(self, seqs: list[SeqState], gcache: list | None = None) -> None:
         """Prefilled sequences join the batch: each with its own cache, or the rows of a batched ``gcache``."""
-        from mlx_lm.models.cache import BatchKVCache
-
-        def merged(group: list[SeqState]) -> list:
-            return [BatchKVCache.merge(list(caches)) for caches in zip(*(s.cache for s in group))]
+        def merged(group: list[SeqState]) -> list:  # mlx-lm's merge per cache type (rotating: BatchRotatingKVCache)
+            return [caches[0].merge(list(caches)) for caches in zip(*(s.cache for s in group))]
 
         if len(self._batch) + len(seqs) < self.batch_from:
             if gcache is not None:  # too few to batch: each row its own fast single-sequence cache

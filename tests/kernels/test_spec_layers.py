@@ -198,9 +198,9 @@ def test_selfcheck_refuses_changed_classes(native, float_prefill, monkeypatch, n
 
 
 def test_gemma3_batched_rows_match_alone(native, monkeypatch):
-    """The server's way (rows prefilled alone, merged into mlx-lm's BatchKVCache, decoded together) past the
-    sliding window: the sliding layers run per op with the window mask (the one-op layer and the native batched
-    attention take only causal + left padding), each row still gets its own greedy tokens."""
+    """The server's way (rows prefilled alone, merged by mlx-lm: a BatchKVCache, for the sliding layers' rotating
+    caches a BatchRotatingKVCache; decoded together) past the sliding window: the batched sliding layers run per
+    op (mlx-lm's), each row still gets its own greedy tokens."""
     monkeypatch.setenv("MLXINFER_KV_DTYPE", "float32")
     model = model_for("gemma3_text")
     assert "2 decoder layers as one op" in patch.apply_kernels(model, "auto").detail
@@ -216,7 +216,7 @@ def test_gemma3_batched_rows_match_alone(native, monkeypatch):
     want = [alone(p) for p in prompts]
     caches = [cache_lib.make_prompt_cache(model) for _ in prompts]
     got = [[int(mx.argmax(model(mx.array([p]), cache=c)[0, -1]))] for p, c in zip(prompts, caches)]
-    batch = [cache_lib.BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
+    batch = [layer[0].merge(list(layer)) for layer in zip(*caches)]  # sliding layers: a BatchRotatingKVCache
     for _ in range(steps):
         y = mx.argmax(model(mx.array([[g[-1]] for g in got]), cache=batch)[:, -1], axis=-1).tolist()
         for g, t in zip(got, y):

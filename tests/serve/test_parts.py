@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlxinfer.serve import schemas as s
 from mlxinfer.serve.prefix_cache import PrefixCache
@@ -59,6 +59,19 @@ def test_memory_bound_evicts_least_recently_used_and_covered_prefixes():
     assert len(pc) == 1 and pc.lookup(list(range(11)))[0] == 10 and pc.lookup(list(range(15, 0, -1)))[0] == 0
     assert pc.lookup(list(range(200, 211)))[0] == 0
     assert PrefixCache(0).lookup([1, 2, 3, 4, 5]) == (0, None)
+
+
+def test_a_rotating_layer_cache_is_not_stored():
+    """A sliding-window layer's cache (Gemma 3) holds only its window: not a prefix anyone could reuse."""
+    cache = _cache(10)
+    ring = RotatingKVCache(max_size=4)
+    for _ in range(10):
+        ring.update_and_fetch(mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(10)), [ring, *cache])
+    assert len(pc) == 0 and pc.lookup(list(range(11))) == (0, None)
+    pc.store(list(range(10)), cache)
+    assert len(pc) == 1
 
 
 def test_max_tokens_rules():
