@@ -54,3 +54,13 @@ def smollm2(smollm2_dir):
     import mlxinfer
 
     return mlxinfer.load("smollm2", kernels="builtin")
+
+
+@pytest.fixture
+def float_prefill():
+    """Prefill at float32 while the test runs (the AVX2 int8 prefill GEMM, the default there, off): what the
+    load-time self-check sees, so layer maths is compared at float parity. Yields whether int8 was on before."""
+    from prefill_mode import int8_prefill
+
+    with int8_prefill(False) as before:
+        yield before

@@ -16,7 +16,6 @@ a sizeable share of their spread and flips the top-1 token.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from mlxinfer.kernels.patch import apply_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_arch  # noqa: E402
+from prefill_mode import int8_prefill  # noqa: E402
 
 FLOAT_TOL = 1e-3
 INT8_TOL = 3e-2
@@ -40,19 +40,6 @@ CASES = {
 }
 
 pytestmark = pytest.mark.skipif(native.problem() is not None, reason=f"native kernels: {native.problem()}")
-
-
-@contextlib.contextmanager
-def int8_prefill(on: bool):
-    toggle = getattr(native.extension(), "set_int8_prefill", None)
-    if toggle is None:  # a kernel set without the int8 GEMM: prefill is float32 either way
-        yield
-        return
-    before = toggle(on)
-    try:
-        yield
-    finally:
-        toggle(before)
 
 
 def _logits(model, prompt: list[int], follow: list[int]) -> np.ndarray:

@@ -3,7 +3,7 @@ buffers O(window) after hundreds of decode steps while the global layer's grow, 
 built-ins (mlx-lm's RotatingKVCache) over prefill, decode, a second prefill past the window, trim and a restored
 state, and a state someone took is never changed by later in-place writes.
 
-Tolerance: as tests/kernels/test_spec_layers.py with MLXINFER_KV_DTYPE=float32 (measured there ~1e-4 relative to
+Tolerance: as tests/kernels/test_spec_layers.py with MLXINFER_KV_DTYPE=float32 and float32 prefill (measured there ~1e-4 relative to
 the largest |logit| with the int16-activation decode matvec); a wrong window or position gives 1e-1 and more.
 """
 
@@ -31,7 +31,7 @@ TURN = [5, 600, 42, 7, 1500, 3, 88, 19, 230, 4, 71, 12, 900, 6, 33, 2, 450, 8, 6
 
 
 @pytest.fixture()
-def model(native, monkeypatch):
+def model(native, monkeypatch, float_prefill):
     monkeypatch.setenv("MLXINFER_KV_DTYPE", "float32")
     m = tiny_arch.make_model("gemma3_text", overrides={"sliding_window": WINDOW})
     yield m

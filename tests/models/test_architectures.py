@@ -162,18 +162,6 @@ def test_generation_cache_reuse(arch, tiny):
     assert greedy(tiny, prompt[-1:], cache) == reply
 
 
-@pytest.fixture
-def float_prefill():
-    """The native CPU kernels prefill at float32 while the test runs (the AVX2 int8 prefill GEMM off)."""
-    from mlxinfer import native
-
-    toggle = getattr(native.extension(), "set_int8_prefill", None)
-    before = toggle(False) if toggle is not None else None
-    yield
-    if toggle is not None:
-        toggle(before)
-
-
 def test_custom_kernels_same_greedy_tokens(arch, tiny, tiny_model_dir, monkeypatch, float_prefill):
     """kernels="auto" (the backend's custom kernels patched in) gives the greedy tokens of the built-ins."""
     from mlxinfer.kernels.patch import apply_kernels, select_provider

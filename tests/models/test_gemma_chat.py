@@ -2,6 +2,7 @@
 their window, ``kernels.kv_cache.InPlaceRotatingKVCache``): a conversation with a second turn (cache reuse),
 /retry and /undo (a rotated cache cannot be trimmed: the session prefills again), then a new turn, gives the
 replies of MLX's built-ins, also with --max-kv-size and --kv-bits; a saved session resumes with the same reply.
+Prefill runs at float32 (``float_prefill``): the int8 default's rounding could flip near-ties of a random model.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _chat(loaded, kv: KVOptions | None) -> tuple[list, list]:
 
 @pytest.mark.parametrize("kv", [None, KVOptions(max_size=96), KVOptions(bits=8, group_size=32)],
                          ids=["default", "max-kv-size", "kv-bits"])
-def test_gemma_chat_matches_builtin(tiny_model_dir, monkeypatch, kv):
+def test_gemma_chat_matches_builtin(tiny_model_dir, monkeypatch, kv, float_prefill):
     from mlxinfer.kernels import fused_block
     from mlxinfer.kernels.kv_cache import InPlaceRotatingKVCache
     from mlxinfer.kernels.patch import apply_kernels

@@ -27,10 +27,7 @@ def native_ext():
 def float_prefill(native_ext):
     """Prefill at float32 while the test runs (the AVX2 int8 prefill GEMM, the default there, off): what the
     load-time self-check sees. Yields whether int8 was on before."""
-    toggle = getattr(native_ext, "set_int8_prefill", None)
-    before = toggle(False) if toggle is not None else False
-    try:
+    from prefill_mode import int8_prefill
+
+    with int8_prefill(False, native_ext) as before:
         yield before
-    finally:
-        if toggle is not None:
-            toggle(before)
