@@ -52,6 +52,5 @@ static inline void scale_row_values(const void* base, ScaleType t, int n, int ng
   }
 }
 
-
 }  // namespace avx2_helpers
 }  // namespace mlxinfer_cpu
