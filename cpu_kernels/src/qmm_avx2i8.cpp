@@ -25,7 +25,7 @@ namespace isa_avx2i8 {
 
 using avx2_helpers::hsum;
 using avx2_helpers::hsum4;
-using avx2_helpers::scale_row;
+using avx2_helpers::scale_row_values;
 
 // The 64 weights of one 64-block as two u8 vectors: lo = elements 0, 2, ..., 62 and hi = 1, 3, ..., 63 (a
 // 32-chunk is 16 bytes, byte j = element 2j in its low nibble, 2j+1 in its high one). half: only the first
@@ -58,8 +58,8 @@ static inline void qmv_block(const QmmArgs& a, int n, float* sd, float* sbuf, fl
   const size_t row_bytes = (size_t)K / 2;
   __m256 acc[NA][R][MM];
   for (int r = 0; r < R; ++r) {
-    scale_row(a.scales, a.stype, n + r, ng, gp, sbuf);
-    scale_row(a.biases, a.stype, n + r, ng, gp, bbuf);
+    scale_row_values(a.scales, a.stype, n + r, ng, sbuf);  // the pad past ng stays zero (qmv_rows)
+    scale_row_values(a.biases, a.stype, n + r, ng, bbuf);
     for (int i = 0; i < NA; ++i)
       for (int m = 0; m < MM; ++m) acc[i][r][m] = _mm256_setzero_ps();
     // sd = s * d per group; the bias and centring terms go into the first set (xd, xsum, xcorr are zero past ng).
@@ -131,6 +131,7 @@ static void qmv_rows(const QmmArgs& a, int n0, int n1) {
   float* sbuf = base;  // gpad is a multiple of 16: every buffer stays 32-byte aligned
   float* bbuf = base + a.gpad;
   float* sd = base + 2 * a.gpad;  // the 32-group step reads 8 floats from 2s: the slack above covers the end
+  std::fill(sbuf, sbuf + 2 * a.gpad, 0.f);  // scale_row_values writes [0, ng) of each row: the pad stays zero
   int n = n0;
   if ((size_t)a.K / 2 <= kBlockRowsMaxBytes)
     for (; n + R <= n1; n += R) qmv_block<MM, R, CPG>(a, n, sd, sbuf, bbuf);

@@ -21,7 +21,7 @@ namespace isa_avx2int {
 
 using avx2_helpers::hsum;
 using avx2_helpers::hsum4;
-using avx2_helpers::scale_row;
+using avx2_helpers::scale_row_values;
 
 // One weight group (CPG 32-element chunks from chunk c0) dotted with every x row as exact int32 sums, scaled
 // by sd[m] (= s * d) into acc. For 4-bit a chunk is 16 bytes, byte j holding elements 2j (low nibble) and 2j+1
@@ -73,9 +73,13 @@ static inline void qmv_block(const QmmArgs& a, int n, float* sd, float* sbuf, fl
   const size_t row_bytes = (size_t)K * BITS / 8;
   constexpr size_t group_bytes = (size_t)G * BITS / 8;
   __m256 acc0[R][MM], acc1[R][MM];
+  // Locals: the sd stores below may alias QmmArgs as far as the compiler knows (it reloaded a.xd every step).
+  const float* const xd = a.xd;
+  const float* const xsum = a.xsum;
+  const float* const xcorr = a.xcorr;
   for (int r = 0; r < R; ++r) {
-    scale_row(a.scales, a.stype, n + r, ng, (ng + 7) / 8 * 8, sbuf);
-    scale_row(a.biases, a.stype, n + r, ng, (ng + 7) / 8 * 8, bbuf);
+    scale_row_values(a.scales, a.stype, n + r, ng, sbuf);  // the pad past ng stays zero (qmv_rows)
+    scale_row_values(a.biases, a.stype, n + r, ng, bbuf);
     for (int m = 0; m < MM; ++m) acc0[r][m] = acc1[r][m] = _mm256_setzero_ps();
     // sd[r][m][g] = s[g] * d[m][g] for the group loop; the bias and centring terms go straight into acc1
     // (xd, xsum, xcorr are zero past ng).
@@ -83,9 +87,9 @@ static inline void qmv_block(const QmmArgs& a, int n, float* sd, float* sbuf, fl
       const __m256 sv = _mm256_load_ps(sbuf + g), bv = _mm256_load_ps(bbuf + g);
       for (int m = 0; m < MM; ++m) {
         const size_t xo = (size_t)m * gp + g;
-        _mm256_storeu_ps(sd + (r * MM + m) * gp + g, _mm256_mul_ps(sv, _mm256_loadu_ps(a.xd + xo)));
-        acc1[r][m] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(a.xsum + xo), acc1[r][m]);
-        acc1[r][m] = _mm256_fmadd_ps(sv, _mm256_loadu_ps(a.xcorr + xo), acc1[r][m]);
+        _mm256_storeu_ps(sd + (r * MM + m) * gp + g, _mm256_mul_ps(sv, _mm256_loadu_ps(xd + xo)));
+        acc1[r][m] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xsum + xo), acc1[r][m]);
+        acc1[r][m] = _mm256_fmadd_ps(sv, _mm256_loadu_ps(xcorr + xo), acc1[r][m]);
       }
     }
   }
@@ -123,6 +127,7 @@ static void qmv_rows(const QmmArgs& a, int n0, int n1) {
   float* sbuf = base;  // gpad is a multiple of 16: every buffer stays 32-byte aligned
   float* bbuf = base + a.gpad;
   float* sd = base + 2 * a.gpad;
+  std::fill(sbuf, sbuf + 2 * a.gpad, 0.f);  // scale_row_values writes [0, ng) of each row: the pad stays zero
   int n = n0;
   if constexpr (MM > 4) {
     // 16 ymm registers hold the accumulators of 4 x rows, not 8 (the VNNI kernel has 32 zmm): rows 0-3 and

@@ -87,6 +87,7 @@ const float* x_as_float(const mx::array& x, std::vector<float>& buf) {
 }
 
 constexpr int64_t kSerialWeights = 128 * 1024;
+constexpr int64_t kTaskBytes = 256 * 1024;  // most packed weight bytes one decode task reads
 
 // Off: KernelSet::int8_x sets prepare int16 x instead (the load-time self-check compares formulas, not rounding).
 std::atomic<bool> int8_decode{true};
@@ -298,10 +299,13 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     }
   }
   if (M <= 8) {
-    // ~4 tasks per thread balance the load; rows per task stay a multiple of 8.
+    // ~4 tasks per thread balance the load, and no task reads more than kTaskBytes of weights: the thread
+    // that ends first then waits at most one short task (an 8-bit LM head in 8 tasks of ~4 MB left one
+    // thread idle for ~half of one). Rows per task stay a multiple of 8.
     int64_t total = 0;
     for (const auto& a : args) total += a.N;
     int rows = static_cast<int>((total + 4 * T - 1) / (4 * T));
+    rows = std::min<int64_t>(rows, kTaskBytes / std::max<int64_t>(1, (int64_t)K * bits / 8));
     rows = std::max(16, (rows + 7) / 8 * 8);
     // A tiny matvec (e.g. a 192x576 k/v projection, ~10 us) costs less than waking a second thread.
     if (total * K < kSerialWeights) rows = 1 << 30;
