@@ -121,9 +121,12 @@ def _llama_cpp() -> bool:
 
 @pytest.mark.skipif(not _llama_cpp(), reason=f"no llama-cpp-python at {LLAMA_PYTHON}")
 @pytest.mark.parametrize("key", ["smollm2-135m", "llama-3.2-1b", "qwen3-0.6b", "gemma3-270m", "phi4-mini"])
-def test_llama_cpp_reads_the_same_model(tmp_path, key):
+def test_llama_cpp_reads_the_same_model(tmp_path, key, float_prefill):
     """The file is the ground truth for both engines: llama.cpp's logits agree with mlxinfer's (llama.cpp
-    quantizes activations to 8 bits for its 4-bit dot products: a few % of the logit spread)."""
+    quantizes activations to 8 bits for its 4-bit dot products: a few % of the logit spread). mlxinfer's native
+    prefill runs at float32 here: with its int8 default too, two different roundings of the same activations
+    flipped 3 of 12 near-tied top-1 tokens of a random tiny model; the int8 default's own accuracy is held in
+    tests/kernels/test_spec_layers.py and test_real_shapes.py."""
     arch = bench_arch.with_shape(bench_arch.tiny(bench_arch.ARCHS[key]), "hidden=128,head_dim=32,ffn=256,vocab=1024")
     path = bench_arch.write_gguf(tmp_path / f"{key}.gguf", arch, "Q4_0")
     try:
@@ -160,7 +163,8 @@ def test_cpu_bench_arch_runs_end_to_end(tmp_path):
 def test_cpu_bench_check_without_llama_cpp(tmp_path):
     """--check without llama.cpp: native kernels against built-in ones on the same file, one table per arch."""
     out = tmp_path / "c.json"
-    env = {**os.environ, "MLXINFER_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "MLXINFER_CACHE": str(tmp_path / "cache"),
+           "MLXINFER_PREFILL": "float"}  # native against built-in at float parity (int8 prefill: test_spec_layers)
     shape = "hidden=64,layers=6,heads=4,kv_heads=1,head_dim=16,ffn=128,vocab=512,sliding_window=4"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "cpu_bench.py"), "--arch", "gemma3-1b", "--check",
                            "--shape", shape, "--prompt-tokens", "12", "--threads", "2", "--gguf-dir", str(tmp_path),
