@@ -20,6 +20,7 @@
 // buffers it allocated itself with kv_reserve (never views, never shared) and writes only past every position a
 // holder of them may read (it copies into a fresh buffer after a trim). MLX's own alternative, buffer donation,
 // needs each buffer to be an input referenced once, which a multi-output primitive cannot give.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -71,8 +72,13 @@ int slot_of(const std::string& name) {
 
 class NativeDecoderLayer : public mx::Primitive {
  public:
-  NativeDecoderLayer(mx::Stream s, int plan, int offset, bool causal, int write, int first)
-      : mx::Primitive(s), plan_(plan), offset_(offset), causal_(causal), write_(write), first_(first) {}
+  // held: the layer's weights when every one is already evaluated (a loaded model's): the op keeps them itself and
+  // its graph inputs are x, k_buf and v_buf only. MLX's eval does bookkeeping per graph input (hash-map nodes,
+  // allocations) on the Python thread, ~25 per layer and token otherwise, which on 2 cores takes CPU from the pool.
+  NativeDecoderLayer(mx::Stream s, int plan, int offset, bool causal, int write, int first,
+                     std::vector<mx::array> held = {})
+      : mx::Primitive(s), plan_(plan), offset_(offset), causal_(causal), write_(write), first_(first),
+        held_(std::move(held)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("[mlxinfer_cpu] decoder_layer runs on the CPU stream only");
@@ -88,6 +94,7 @@ class NativeDecoderLayer : public mx::Primitive {
   int plan_, offset_;
   bool causal_;
   int write_, first_;  // buffer index of this step's first key / of the oldest key attended (see decoder_layer)
+  std::vector<mx::array> held_;  // the weights, when not graph inputs (in the plan's order, between x and k_buf)
 };
 
 QWeight qw(const std::vector<mx::array>& in, const LayerPlan& p, int l, float* out) {
@@ -293,12 +300,14 @@ void NativeDecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vec
   for (const auto& a : inputs) enc.set_input_array(a);
   for (auto& o : outputs) enc.set_output_array(o);
   std::vector<mx::array> in;
-  in.reserve(inputs.size());  // ~25 inputs a layer: one allocation instead of a regrowth every power of two
+  in.reserve(inputs.size() + held_.size());  // ~25 arrays a layer: one allocation, not a regrowth every power of two
   // The weights (leaves: evaluated, no primitive) go as plain copies, a reference count each; a weak copy is a
   // new array descriptor, and ~23 of them a layer, freed on the stream thread, were ~20% of the Python thread's
   // time in a SmolLM2 decode step. x and the KV buffers (written in place) keep MLX's weak-copy convention.
-  for (int i = 0; i < n; ++i)
+  for (int i = 0; i < n; ++i) {
+    if (i == n - 2) in.insert(in.end(), held_.begin(), held_.end());  // held weights: where the plan expects them
     in.push_back(i > 0 && i < n - 2 && !inputs[i].has_primitive() ? inputs[i] : mx::array::unsafe_weak_copy(inputs[i]));
+  }
   LayerPlan plan;
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
@@ -411,11 +420,19 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::a
   for (const auto* b : {&k_buf, &v_buf})
     if (b->is_available() && !(b->flags().row_contiguous && b->data_size() == b->size()))
       fail("KV buffers must be whole row-major buffers (from kv_reserve)");
+  std::vector<mx::array> held;
+  const bool all_evaluated = std::all_of(arrays.begin(), arrays.end(), [](const mx::array& a) {
+    return a.is_available() && !a.has_primitive();
+  });
+  if (all_evaluated) {  // a loaded model's weights: held by the op, not graph inputs (see NativeDecoderLayer)
+    held.assign(inputs.begin() + 1, inputs.end());
+    inputs.erase(inputs.begin() + 1, inputs.end());
+  }
   inputs.push_back(k_buf);
   inputs.push_back(v_buf);
   return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, k_buf.dtype(), v_buf.dtype()},
                                 std::make_shared<NativeDecoderLayer>(mx::to_stream({}, mx::Device::cpu), plan_id,
-                                                                     offset, causal, write, first),
+                                                                     offset, causal, write, first, std::move(held)),
                                 std::move(inputs));
 }
 

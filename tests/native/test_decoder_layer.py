@@ -160,3 +160,24 @@ def test_half_scales_give_the_float32_result(native_ext, case):
         mx.eval(outs[-1])
     for got, want in zip(*outs):
         assert mx.array_equal(got, want).item()
+
+
+def test_held_weights_give_the_graph_input_result(native_ext):
+    """Weights already evaluated (a loaded model's) are held by the op instead of being graph inputs (less eval
+    bookkeeping per token); lazy ones stay graph inputs. Both give the same layer, bit for bit."""
+    case = CASES[3]
+    B, L, E, I, hq, hkv, D, dims, offset, gs, bits, window, kind, half = case
+    names = None
+    outs = []
+    for evaluated in (False, True):
+        arrays, config = _case_layer(case)  # seeded: the same weights both times
+        if evaluated:
+            mx.eval(list(arrays.values()))
+        x = mx.random.normal((B, L, E), key=mx.random.key(7))
+        names = sorted(arrays)
+        plan = native_ext.decoder_layer_plan(names, {k: float(v) for k, v in config.items()})
+        bufs = [native_ext.kv_reserve([B, hkv, offset + L, D], None, valid=0, half=half) for _ in range(2)]
+        outs.append(native_ext.decoder_layer(x, [arrays[n] for n in names], *bufs, 0, L > 1, plan))
+        mx.eval(outs[-1])
+    for a, b in zip(*outs):
+        assert mx.array_equal(a, b).item()
