@@ -84,15 +84,12 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
     buffers = cache.writable(provider, (x.shape[0], spec.n_kv_heads, spec.head_dim), x.shape[1])
     if buffers is None:
         return None
-    k_buf, v_buf, write, first = buffers if ring is not None else (*buffers, cache.offset, 0)
+    k_buf, v_buf, write, first = buffers
     out = provider.decoder_layer(x, [o[k] for o, k in plan.owners], k_buf, v_buf, offset=cache.offset,
                                  causal=mask is not None, plan=plan.plan, write=write, first=first)
     if out is None:  # a model the op does not take: stop asking for this block
         block._native_plan = None
         return None
     y, k, v = out
-    if ring is not None:
-        cache.written(provider, k, v, write, first, x.shape[1])
-    else:
-        cache.written(provider, k, v, x.shape[1])
+    cache.written(provider, k, v, write, first, x.shape[1])
     return y

@@ -48,12 +48,29 @@ def kv_dtype() -> mx.Dtype:
     return mx.float16 if name == "float16" else mx.float32
 
 
-class InPlaceKVCache(KVCache):
-    """mlx-lm's ``KVCache`` whose buffers a one-op layer may write in place (rules in the module doc)."""
+class _OwnedBuffers:
+    """The ownership rules of the module doc, shared by both in-place caches: which k/v buffers are the cache's own
+    (kv_reserve'd for it, recognised by descriptor identity) and the buffer index writes must stay at or past."""
 
     # Class defaults, so that caches made by mlx-lm's ``from_state`` (no __init__) start with nothing owned.
     _owned: Optional[Tuple[mx.array, mx.array, int, int]] = None  # own handles + descriptor ids of k/v buffers
-    _high_water: int = 0  # the highest offset the cache ever held in the owned buffers (writes only at or past it)
+    _high_water: int = 0  # buffer index: every write so far ended here; the op writes only at or past it
+
+    def _owns_buffers(self, provider: Any, start: int, end: int) -> bool:
+        """Whether the op may write buffer indexes [start, end) of the cache's current buffers in place."""
+        keys, values, owned = self.keys, self.values, self._owned
+        return (owned is not None and keys is not None and start >= self._high_water and end <= keys.shape[2]
+                and provider.array_id(keys) == owned[2] and provider.array_id(values) == owned[3])
+
+    def _own(self, provider: Any, end: int) -> None:
+        # Own handles keep the compared descriptor identities from being reused by other arrays.
+        k, v = self.keys, self.values
+        self._owned = (provider.array_handle(k), provider.array_handle(v), provider.array_id(k), provider.array_id(v))
+        self._high_water = end
+
+
+class InPlaceKVCache(KVCache, _OwnedBuffers):
+    """mlx-lm's ``KVCache`` whose buffers a one-op layer may write in place (rules in the module doc)."""
 
     @classmethod
     def adopt(cls, cache: Any) -> Optional["InPlaceKVCache"]:
@@ -66,13 +83,14 @@ class InPlaceKVCache(KVCache):
             return cache
         return None
 
-    def writable(self, provider: Any, head_shape: Tuple[int, int, int], L: int) -> Optional[Tuple[mx.array, mx.array]]:
-        """(k_buf, v_buf) that ``decoder_layer`` may write at ``offset`` (L positions), installed in the cache: its
-        own buffers when they qualify, else fresh copies with room; None when the provider cannot make them."""
-        keys, values, offset, owned = self.keys, self.values, self.offset, self._owned
-        if (owned is not None and keys is not None and offset >= self._high_water and offset + L <= keys.shape[2]
-                and provider.array_id(keys) == owned[2] and provider.array_id(values) == owned[3]):
-            return keys, values
+    def writable(self, provider: Any, head_shape: Tuple[int, int, int],
+                 L: int) -> Optional[Tuple[mx.array, mx.array, int, int]]:
+        """(k_buf, v_buf, write, first) for ``decoder_layer``, as InPlaceRotatingKVCache's: the buffers (installed in
+        the cache: its own when they qualify, else fresh copies with room), this step's keys written at ``offset``
+        and every key attended (first 0); None when the provider cannot make buffers."""
+        keys, values, offset = self.keys, self.values, self.offset
+        if self._owns_buffers(provider, offset, offset + L):
+            return keys, values, offset, 0
         B, H, D = head_shape
         capacity = (offset + L + self.step - 1) // self.step * self.step
         keep, dtype = keys is not None and offset > 0, kv_dtype()
@@ -84,24 +102,19 @@ class InPlaceKVCache(KVCache):
         except (ValueError, TypeError):  # e.g. a cache another model filled (other shapes or dtype)
             return None
         self.keys, self.values = k, v
-        self._own(provider)
-        return k, v
+        self._own(provider, offset)  # a fresh buffer starts with what it copied
+        return k, v, offset, 0
 
-    def written(self, provider: Any, k: mx.array, v: mx.array, n: int) -> None:
-        """After ``decoder_layer`` wrote n positions: hold its outputs (the same memory; evaluating them runs the
-        op, as mlx-lm's ``mx.eval(cache.state)`` does) and move the offset and high-water mark."""
+    def written(self, provider: Any, k: mx.array, v: mx.array, write: int, first: int, n: int) -> None:
+        """After ``decoder_layer`` wrote n positions at ``write`` (= the offset here; ``first`` is always 0): hold
+        its outputs (the same memory; evaluating them runs the op, as mlx-lm's ``mx.eval(cache.state)`` does) and
+        move the offset and high-water mark."""
         self.keys, self.values = k, v
         self.offset += n
-        self._own(provider)
-
-    def _own(self, provider: Any) -> None:
-        # Own handles keep the compared descriptor identities from being reused by other arrays.
-        k, v = self.keys, self.values
-        self._owned = (provider.array_handle(k), provider.array_handle(v), provider.array_id(k), provider.array_id(v))
-        self._high_water = self.offset  # every write so far ended here (a fresh buffer starts with what it copied)
+        self._own(provider, self.offset)
 
 
-class InPlaceRotatingKVCache(RotatingKVCache):
+class InPlaceRotatingKVCache(RotatingKVCache, _OwnedBuffers):
     """mlx-lm's ``RotatingKVCache`` (``keep`` 0) of a one-op sliding-window layer: it holds O(window) positions,
     and its buffers the op writes in place under the module doc's rules (writes only past the high-water mark).
 
@@ -113,8 +126,6 @@ class InPlaceRotatingKVCache(RotatingKVCache):
     ``state`` is mlx-lm's (temporal order, ``_idx`` entries), so ``trim``, ``make_mask``, ``size``, merging into
     a ``BatchRotatingKVCache`` and mlx-lm's own update (when the op declines a call) keep working."""
 
-    _owned: Optional[Tuple[mx.array, mx.array, int, int]] = None  # as InPlaceKVCache
-    _high_water: int = 0  # buffer index: the op writes only at or past it in the owned buffers
     _first: int = 0  # buffer index of the oldest valid entry
 
     @classmethod
@@ -163,11 +174,10 @@ class InPlaceRotatingKVCache(RotatingKVCache):
                  L: int) -> Optional[Tuple[mx.array, mx.array, int, int]]:
         """(k_buf, v_buf, write, first) for ``decoder_layer``: the buffers (installed in the cache), the buffer index
         of this step's first key and of the oldest key to attend; None when the provider cannot make buffers."""
-        keys, values, owned, n = self.keys, self.values, self._owned, self._idx if self.keys is not None else 0
+        keys, values, n = self.keys, self.values, self._idx if self.keys is not None else 0
         kept = min(n, self.max_size - 1)
         end = self._first + n
-        if (owned is not None and keys is not None and end >= self._high_water and end + L <= keys.shape[2]
-                and provider.array_id(keys) == owned[2] and provider.array_id(values) == owned[3]):
+        if self._owns_buffers(provider, end, end + L):
             return keys, values, end, end - kept
         B, H, D = head_shape
         need, window = kept + L, self.max_size
@@ -192,11 +202,6 @@ class InPlaceRotatingKVCache(RotatingKVCache):
         self._first, self._idx = first, write + n - first
         self.offset += n
         self._own(provider, write + n)
-
-    def _own(self, provider: Any, end: int) -> None:
-        k, v = self.keys, self.values
-        self._owned = (provider.array_handle(k), provider.array_handle(v), provider.array_id(k), provider.array_id(v))
-        self._high_water = end
 
 
 class NativeBatchKVCache(BatchKVCache):
