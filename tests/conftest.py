@@ -59,8 +59,8 @@ def smollm2(smollm2_dir):
 @pytest.fixture
 def float_prefill():
     """Prefill at float32 while the test runs (the AVX2 int8 prefill GEMM, the default there, off): what the
-    load-time self-check sees, so layer maths is compared at float parity. Yields whether int8 was on before."""
-    from prefill_mode import int8_prefill
+    load-time self-check sees, so layer maths is compared at float parity."""
+    from mlxinfer import native
 
-    with int8_prefill(False) as before:
-        yield before
+    with native.int8_activations(prefill=False):
+        yield

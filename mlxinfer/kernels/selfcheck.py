@@ -155,23 +155,14 @@ def _error(m: nn.Module) -> float:
     return worst if worst == worst else float("inf")  # NaN: a broken path
 
 
-@contextlib.contextmanager
-def _precise_activations() -> Iterator[None]:
+def _precise_activations():
     """The native kernels' activations at their precise rounding while checking: decode x at int16 (avx2i8) and
     prefill x at float32 (the AVX2 int8 prefill GEMM). Int8 x (llama.cpp-grade, ~1-3% of a layer's output on
     random input) would hide a changed formula in its rounding; test_qmm_avx2i8.py, test_qmm_avx2i8gemm.py and
     test_spec_layers.py hold the int8 paths. The settings found are restored."""
     from mlxinfer import native
 
-    ext = native.extension()
-    toggles = [getattr(ext, name, None) for name in ("set_int8_decode", "set_int8_prefill")]
-    toggles = [t for t in toggles if t is not None]
-    before = [t(False) for t in toggles]
-    try:
-        yield
-    finally:
-        for t, was in zip(toggles, before):
-            t(True if was is None else was)  # an older build's setter returns nothing: its default was on
+    return native.int8_activations(decode=False, prefill=False)
 
 
 @contextlib.contextmanager

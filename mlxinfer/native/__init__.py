@@ -21,13 +21,14 @@ for any other value, which the kernels ignore.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 from mlxinfer.native import _build
 
@@ -169,6 +170,24 @@ def report_notes() -> list:
     if line:
         notes.append(f"warning: {line}")
     return notes
+
+
+@contextlib.contextmanager
+def int8_activations(*, decode: Optional[bool] = None, prefill: Optional[bool] = None,
+                     ext: Optional[ModuleType] = None) -> Iterator[None]:
+    """The kernels' int8 activation paths on (True) or off (False) while inside, None leaving one as it is: decode
+    (the avx2i8 set's matvecs, int16 x when off) and prefill (the AVX2 int8 GEMM, float32 tiles when off). The
+    settings found are restored. ``ext``: the extension module (default: the loaded one). A build without such a
+    path has nothing to switch (it already runs the precise one)."""
+    ext = ext if ext is not None else extension()
+    toggles = [(getattr(ext, name, None), on) for name, on in (("set_int8_decode", decode),
+                                                                ("set_int8_prefill", prefill)) if on is not None]
+    before = [(t, t(on)) for t, on in toggles if t is not None]
+    try:
+        yield
+    finally:
+        for t, was in before:
+            t(was)
 
 
 def build_command() -> str:

@@ -26,11 +26,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlxinfer
 from mlxinfer import native
+from mlxinfer.native import int8_activations
 from mlxinfer.kernels.patch import apply_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_arch  # noqa: E402
-from prefill_mode import int8_prefill  # noqa: E402
 
 FLOAT_TOL = 1e-3
 INT8_TOL = 3e-2
@@ -77,7 +77,7 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
 
 def test_native_layers_match_builtins_at_real_shapes(real_model):
     key, model, prompt, follow, want = real_model
-    with int8_prefill(False):
+    with int8_activations(prefill=False):
         got = _logits(model, prompt, follow)
     assert _relative(got, want) < FLOAT_TOL, key
     assert (got.argmax(-1) == want.argmax(-1)).all(), key
@@ -85,7 +85,7 @@ def test_native_layers_match_builtins_at_real_shapes(real_model):
 
 def test_int8_prefill_stays_within_its_stated_error_at_real_shapes(real_model):
     key, model, prompt, follow, want = real_model
-    with int8_prefill(True):
+    with int8_activations(prefill=True):
         got = _logits(model, prompt, follow)
     assert _relative(got, want) < INT8_TOL, key
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9, key

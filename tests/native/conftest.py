@@ -26,8 +26,8 @@ def native_ext():
 @pytest.fixture
 def float_prefill(native_ext):
     """Prefill at float32 while the test runs (the AVX2 int8 prefill GEMM, the default there, off): what the
-    load-time self-check sees. Yields whether int8 was on before."""
-    from prefill_mode import int8_prefill
+    load-time self-check sees."""
+    from mlxinfer import native
 
-    with int8_prefill(False, native_ext) as before:
-        yield before
+    with native.int8_activations(prefill=False, ext=native_ext):
+        yield

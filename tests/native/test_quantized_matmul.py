@@ -9,7 +9,6 @@ Gaussian cases (AVX2); 2e-2 is three times that, and a wrong weight, scale or gr
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import textwrap
 import mlx.core as mx
 import pytest
 from isa_variants import isa_variants, kernel_set_name
+
+from mlxinfer.native import int8_activations
 
 pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
 
@@ -31,19 +32,6 @@ def _int8_prefill_modes(ext, M, bits) -> list:
     """The settings of set_int8_prefill to check an M-row product under: both where the int8 GEMM would run."""
     has = getattr(ext, "set_int8_prefill", None) is not None and ext.isa().endswith("+int8-prefill")
     return [False, True] if has and bits == 4 and M > 8 else [None]
-
-
-@contextlib.contextmanager
-def _int8_prefill(ext, on):
-    """set_int8_prefill(on) inside (None: leave it), the setting found restored after."""
-    if on is None:
-        yield
-        return
-    before = ext.set_int8_prefill(on)
-    try:
-        yield
-    finally:
-        ext.set_int8_prefill(before)
 
 
 def assert_close(out, ref, rel=1e-4):
@@ -68,7 +56,7 @@ def _check(ext, M, K, N, bits, group_size, dtype, scale_dtype=mx.float32, batch=
     mlx_err = mx.abs(ref.astype(mx.float32) - truth).max().item()
     scale = mx.abs(truth).max().item()
     for int8 in _int8_prefill_modes(ext, M, bits):
-        with _int8_prefill(ext, int8):
+        with int8_activations(prefill=int8, ext=ext):
             out = ext.quantized_matmul(x, q, s, b, group_size=group_size, bits=bits)
             mx.eval(out)  # lazy: the kernel reads the setting when it runs
         assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -222,7 +210,7 @@ def test_swiglu_matches_mlx(native_ext, bits, group_size):
             x, *u, group_size=group_size, bits=bits
         )
         for int8 in _int8_prefill_modes(native_ext, M, bits):
-            with _int8_prefill(native_ext, int8):
+            with int8_activations(prefill=int8, ext=native_ext):
                 out = native_ext.swiglu(x, *g, *u, group_size=group_size, bits=bits)
                 mx.eval(out)
             assert_close(out, ref, INT8_TOL if int8 else 1e-4)
