@@ -75,10 +75,10 @@ class NativeDecoderLayer : public mx::Primitive {
   // held: the layer's weights when every one is already evaluated (a loaded model's): the op keeps them itself and
   // its graph inputs are x, k_buf and v_buf only. MLX's eval does bookkeeping per graph input (hash-map nodes,
   // allocations) on the Python thread, ~25 per layer and token otherwise, which on 2 cores takes CPU from the pool.
-  NativeDecoderLayer(mx::Stream s, int plan, int offset, bool causal, int write, int first,
+  NativeDecoderLayer(mx::Stream s, int plan, int offset, bool causal, int write, int first, bool has_starts,
                      std::vector<mx::array> held = {})
       : mx::Primitive(s), plan_(plan), offset_(offset), causal_(causal), write_(write), first_(first),
-        held_(std::move(held)) {}
+        has_starts_(has_starts), held_(std::move(held)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("[mlxinfer_cpu] decoder_layer runs on the CPU stream only");
@@ -94,6 +94,7 @@ class NativeDecoderLayer : public mx::Primitive {
   int plan_, offset_;
   bool causal_;
   int write_, first_;  // buffer index of this step's first key / of the oldest key attended (see decoder_layer)
+  bool has_starts_;    // input n - 3 is starts (B,): a left-padded batch, each row's first key (see decoder_layer)
   std::vector<mx::array> held_;  // the weights, when not graph inputs (in the plan's order, between x and k_buf)
 };
 
@@ -140,8 +141,10 @@ void act_mul(int act, float* g, float* u, float* out, size_t rows, int I, size_t
   }
 }
 
+// starts (null, or B ints): a left-padded batch (mlx-lm's BatchKVCache): row b's first key is at buffer index
+// starts[b] (first is 0 then) and its positions count from there (RoPE at offset - starts[b] + l).
 void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, int offset, bool causal, int write,
-               int first) {
+               int first, const int* starts) {
   const int hq = p.hq, hkv = p.hkv, d = p.d, gs = p.gs, bits = p.bits;
   const int n_in = static_cast<int>(in.size());
   const mx::array& x = in[0];
@@ -208,13 +211,17 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
     for (size_t r = 0; r < (size_t)rows * hkv; ++r)
       for (int i = 0; i < p.rope_dims; ++i) fk[r * d + i] *= p.rope_mscale;
   }
-  scatter_heads(fq, qh, B, L, hq, d, rope, offset, periods, L, 0);
+  std::vector<int> row_pos;  // a left-padded batch: each row's position of its first query
+  if (starts)
+    for (int b = 0; b < B; ++b) row_pos.push_back(offset - starts[b]);
+  const int* rp = starts ? row_pos.data() : nullptr;
+  scatter_heads(fq, qh, B, L, hq, d, rope, offset, periods, L, 0, rp);
   const RopeSpec no_rope{0, false, 1.f, 1.f};
   if (!half) {
-    scatter_heads(fk, kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, write);
+    scatter_heads(fk, kbuf.data<float>(), B, L, hkv, d, rope, offset, periods, cap, write, rp);
     scatter_heads(fv, vbuf.data<float>(), B, L, hkv, d, no_rope, 0, nullptr, cap, write);
   } else {
-    scatter_heads(fk, kh, B, L, hkv, d, rope, offset, periods, L, 0);
+    scatter_heads(fk, kh, B, L, hkv, d, rope, offset, periods, L, 0, rp);
     scatter_heads(fv, vh, B, L, hkv, d, no_rope, 0, nullptr, L, 0);
     for (int bh = 0; bh < B * hkv; ++bh) {
       const size_t src = (size_t)bh * L * d, dst = ((size_t)bh * cap + write) * d * sizeof(uint16_t);
@@ -239,11 +246,12 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   }
   a.heads_last = true;
   const size_t esize = half ? sizeof(uint16_t) : sizeof(float);
-  if (p.window <= 0 || write + L - first <= p.window) {
+  if (p.window <= 0 || (!starts && write + L - first <= p.window)) {
     a.B = B;
     a.L = L;
     a.S = write + L - first;
     a.causal = causal && L > 1;
+    a.start = starts;  // a left-padded batch (first is 0): row b sees keys [starts[b], write + L)
     a.q = qh;
     a.k = kbuf.data<char>() + (int64_t)first * d * esize;
     a.v = vbuf.data<char>() + (int64_t)first * d * esize;
@@ -255,7 +263,7 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
     a.causal = false;
     for (int b = 0; b < B; ++b)
       for (int l = 0; l < L; ++l) {
-        const int pos = write + l, start = std::max(first, pos + 1 - p.window);
+        const int pos = write + l, start = std::max(starts ? starts[b] : first, pos + 1 - p.window);
         a.S = pos + 1 - start;
         a.q = qh + b * qs[0] + (size_t)l * d;
         a.k = kbuf.data<char>() + (b * ks[0] + (int64_t)start * d) * esize;
@@ -304,9 +312,15 @@ void NativeDecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vec
   // The weights (leaves: evaluated, no primitive) go as plain copies, a reference count each; a weak copy is a
   // new array descriptor, and ~23 of them a layer, freed on the stream thread, were ~20% of the Python thread's
   // time in a SmolLM2 decode step. x and the KV buffers (written in place) keep MLX's weak-copy convention.
+  // starts (a left-padded batch) is not one of the plan's arrays: it travels apart, read when the op runs.
+  const int first_buf = n - 2 - (has_starts_ ? 1 : 0);
+  std::optional<mx::array> starts;
+  if (has_starts_) starts = mx::array::unsafe_weak_copy(inputs[n - 3]);
   for (int i = 0; i < n; ++i) {
-    if (i == n - 2) in.insert(in.end(), held_.begin(), held_.end());  // held weights: where the plan expects them
-    in.push_back(i > 0 && i < n - 2 && !inputs[i].has_primitive() ? inputs[i] : mx::array::unsafe_weak_copy(inputs[i]));
+    if (i == first_buf) in.insert(in.end(), held_.begin(), held_.end());  // held weights: where the plan expects them
+    if (has_starts_ && i == n - 3) continue;
+    in.push_back(i > 0 && i < first_buf && !inputs[i].has_primitive() ? inputs[i]
+                                                                       : mx::array::unsafe_weak_copy(inputs[i]));
   }
   LayerPlan plan;
   {
@@ -314,10 +328,17 @@ void NativeDecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vec
     plan = plans[plan_];
   }
   enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(outputs[0]), plan, offset = offset_,
-                causal = causal_, write = write_, first = first_]() mutable {
+                causal = causal_, write = write_, first = first_, starts = std::move(starts)]() mutable {
     for (int i = 0; i < static_cast<int>(in.size()) - 2; ++i)
       if (!in[i].flags().row_contiguous) in[i] = row_contiguous_copy(in[i]);
-    run_layer(in, out, plan, offset, causal, write, first);
+    std::vector<int> rows;
+    if (starts) {
+      rows = row_ints(*starts);
+      for (int r : rows)  // a row may be all padding so far (a left-padded prompt chunk), not past this step
+        if (r < 0 || r > write + in[0].shape(1))
+          throw std::invalid_argument("[mlxinfer_cpu.decoder_layer] a row starts past this step's keys");
+    }
+    run_layer(in, out, plan, offset, causal, write, first, starts ? rows.data() : nullptr);
   });
 }
 
@@ -372,7 +393,7 @@ int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std
 
 std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::array>& arrays, const mx::array& k_buf,
                                      const mx::array& v_buf, int offset, bool causal, int plan_id, int write,
-                                     int first) {
+                                     int first, const std::optional<mx::array>& starts) {
   LayerPlan p;
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
@@ -417,6 +438,9 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::a
   if (write < 0) write = offset;  // a cache holding every position: key i at buffer index i
   if (offset < 0 || first < 0 || first > write || write + x.shape(1) > k_buf.shape(2))
     fail("no room in the KV buffers at this write index (or first is past it)");
+  if (starts && (starts->ndim() != 1 || starts->shape(0) != x.shape(0) || !mx::issubdtype(starts->dtype(), mx::integer) ||
+                 first != 0))
+    fail("starts must be integer (B,), with first 0");
   for (const auto* b : {&k_buf, &v_buf})
     if (b->is_available() && !(b->flags().row_contiguous && b->data_size() == b->size()))
       fail("KV buffers must be whole row-major buffers (from kv_reserve)");
@@ -428,11 +452,13 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::a
     held.assign(inputs.begin() + 1, inputs.end());
     inputs.erase(inputs.begin() + 1, inputs.end());
   }
+  if (starts) inputs.push_back(*starts);
   inputs.push_back(k_buf);
   inputs.push_back(v_buf);
   return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, k_buf.dtype(), v_buf.dtype()},
                                 std::make_shared<NativeDecoderLayer>(mx::to_stream({}, mx::Device::cpu), plan_id,
-                                                                     offset, causal, write, first, std::move(held)),
+                                                                     offset, causal, write, first, starts.has_value(),
+                                                                     std::move(held)),
                                 std::move(inputs));
 }
 

@@ -79,9 +79,11 @@ mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::arra
 // Returns [y, k_buf', v_buf'], the last two sharing k_buf's / v_buf's memory. A windowed cache (kv_cache.py's
 // InPlaceRotatingKVCache) passes write (buffer index of this step's keys; -1: offset) and first (buffer index of
 // the oldest key kept): offset stays the absolute position (RoPE), keys [first, write + L) are attended in order.
+// starts (B,) integer, first 0: a left-padded batch (mlx-lm's BatchKVCache, every row written at the shared index
+// write): row b attends keys [starts[b], write + L) and its RoPE positions are offset - starts[b] + l.
 int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std::string, double>& config);
 std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::array>& arrays, const mx::array& k_buf,
                                      const mx::array& v_buf, int offset, bool causal, int plan_id, int write = -1,
-                                     int first = 0);
+                                     int first = 0, const std::optional<mx::array>& starts = std::nullopt);
 
 }  // namespace mlxinfer_cpu

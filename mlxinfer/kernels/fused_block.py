@@ -23,7 +23,10 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from mlxinfer.kernels import spec as spec_lib
-from mlxinfer.kernels.kv_cache import InPlaceKVCache, InPlaceRotatingKVCache, kv_dtype
+from mlxinfer.kernels.layers import caps_of
+from mlx_lm.models.cache import BatchKVCache
+
+from mlxinfer.kernels.kv_cache import InPlaceKVCache, InPlaceRotatingKVCache, NativeBatchKVCache, kv_dtype
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
     if plan is None or x.ndim != 3 or x.dtype != mx.float32:
         return None
     spec = plan.spec
+    if isinstance(cache, BatchKVCache):
+        return _batch_block(block, plan, x, mask, cache)
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         # A sliding layer's window mask is the one the op computes itself (gemma3_text makes it from the window).
         if not (spec.sliding_window and isinstance(mask, mx.array) and mask.dtype == mx.bool_):
@@ -92,4 +97,30 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
         return None
     y, k, v = out
     cache.written(provider, k, v, write, first, x.shape[1])
+    return y
+
+
+def _batch_block(block, plan: BlockPlan, x: mx.array, mask, cache) -> Optional[mx.array]:
+    """``native_block`` for a left-padded batch (serve's continuous batching, ``bench -b``): the same op with each
+    row's first key (``left_padding``), every row written at the cache's shared index. The mask must be the cache's
+    own (causal + left padding, what ``make_mask`` gives: checked by shape); sliding-window layers are not taken
+    (their batched cache is mlx-lm's rotating one)."""
+    spec = plan.spec
+    provider = block._kernel_provider
+    if (spec.sliding_window or not caps_of(provider).batched_block
+            or (cache := NativeBatchKVCache.adopt(cache, provider)) is None):
+        return None
+    B, L = x.shape[0], x.shape[1]
+    if not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape == (B, 1, L, cache._idx + L)):
+        return None
+    buffers = cache.writable(provider, (B, spec.n_kv_heads, spec.head_dim), L)
+    if buffers is None:
+        return None
+    k_buf, v_buf, write = buffers
+    out = provider.decoder_layer(x, [o[k] for o, k in plan.owners], k_buf, v_buf, offset=write, causal=True,
+                                 plan=plan.plan, write=write, first=0, starts=cache.left_padding)
+    if out is None:
+        return None
+    y, k, v = out
+    cache.written(provider, k, v, L)
     return y

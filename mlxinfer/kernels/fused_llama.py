@@ -155,17 +155,16 @@ def swap_attention_inputs(model: nn.Module, provider: KernelProvider, caps: Capa
 
 def _block_call(base: type) -> Callable:
     def __call__(self, x, mask=None, cache=None):
-        # The whole layer as one op when the block was prepared for it (fused_block.py), else: the norms run
-        # inside the next op, the skip connections inside o_proj / down_proj. A left-padded batch (BatchKVCache)
-        # runs per op, its cache updated natively.
+        # The whole layer as one op when the block was prepared for it (fused_block.py; a left-padded batch too),
+        # else: the norms run inside the next op, the skip connections inside o_proj / down_proj; a batch's
+        # cache updated natively.
         if cache is not None:
+            y = fused_block.native_block(self, x, mask, cache)
+            if y is not None:
+                return y
             batch = _batch_cache(self, cache)
             if batch is not None:
                 cache = batch
-            else:
-                y = fused_block.native_block(self, x, mask, cache)
-                if y is not None:
-                    return y
         if not fused_parts(self):  # a block only the whole-layer op covers (e.g. Qwen3's q/k norms)
             return base.__call__(self, x, mask, cache)
         h = self.self_attn(x, mask, cache, residual=x, norm=self.input_layernorm)

@@ -19,8 +19,9 @@ of ``step`` positions; they hold float16 unless ``MLXINFER_KV_DTYPE=float32`` (:
 O(window) positions under the same rules (its writes move forward in the buffer; a full one is copied).
 
 :class:`NativeBatchKVCache` is mlx-lm's left-padded ``BatchKVCache`` (batched decode: ``mlxinfer serve``,
-``bench -b``) whose update is the provider's ``kv_append`` at the shared index (buffers grown by ``kv_reserve``),
-so that a batched step runs RoPE, the KV update and attention natively (per-row offsets, ``left_padding``).
+``bench -b``). A one-op layer writes its buffers in place under the same rules (``writable``/``written``: every row
+at the shared index, each from its own ``left_padding``); a per-op layer's update is the provider's ``kv_append``
+at that index, so that a batched step runs RoPE, the KV update and attention natively either way.
 """
 
 from __future__ import annotations
@@ -204,10 +205,11 @@ class InPlaceRotatingKVCache(RotatingKVCache, _OwnedBuffers):
         self._own(provider, write + n)
 
 
-class NativeBatchKVCache(BatchKVCache):
-    """mlx-lm's ``BatchKVCache`` whose update is one native op per buffer (``append``). Its buffers are MLX
-    values like mlx-lm's (``kv_append`` writes in place only when nothing else holds them), so ``merge``,
-    ``extend``, ``filter``, ``extract`` and ``state`` keep working unchanged."""
+class NativeBatchKVCache(BatchKVCache, _OwnedBuffers):
+    """mlx-lm's ``BatchKVCache`` updated natively: by a one-op layer in place (``writable``/``written``, the
+    module doc's rules) or by one native op per buffer (``append``: ``kv_append`` writes in place only when
+    nothing else holds them). ``merge``, ``extend``, ``filter``, ``extract``, ``trim`` and ``state`` are mlx-lm's:
+    each rebinds the buffers (or moves the index back), so the next in-place write copies into fresh ones."""
 
     _provider: Any = None  # set by adopt(); a cache made by merge() (cls(...)) runs mlx-lm's update until then
 
@@ -228,8 +230,44 @@ class NativeBatchKVCache(BatchKVCache):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for key, value in self.__dict__.items():
+            if key == "_owned":  # the copy owns nothing: its first in-place write copies
+                continue
             new.__dict__[key] = value if key == "_provider" else copy.deepcopy(value, memo)
         return new
+
+    def writable(self, provider: Any, head_shape: Tuple[int, int, int],
+                 L: int) -> Optional[Tuple[mx.array, mx.array, int]]:
+        """(k_buf, v_buf, write) for a batched ``decoder_layer``: the buffers (installed in the cache: its own when
+        they qualify, else fresh copies with room) and the shared index every row writes this step's keys at
+        (row b attends from ``left_padding[b]``); None when the provider cannot make buffers or the batch is
+        right-padded (mlx-lm rolls that into left padding only in ``finalize``)."""
+        if self._right_padding is not None:
+            return None
+        keys, values, prev = self.keys, self.values, self._idx
+        if self._owns_buffers(provider, prev, prev + L):
+            return keys, values, prev
+        B, H, D = head_shape
+        capacity = (prev + L + self.step - 1) // self.step * self.step
+        keep = keys is not None and prev > 0
+        dtype = keys.dtype if keys is not None and keys.dtype in (mx.float16, mx.float32) else kv_dtype()
+        try:
+            k = provider.kv_reserve((B, H, capacity, D), keys if keep else None, valid=prev if keep else 0,
+                                    dtype=dtype)
+            v = provider.kv_reserve((B, H, capacity, D), values if keep else None, valid=prev if keep else 0,
+                                    dtype=dtype)
+        except (ValueError, TypeError):  # e.g. buffers another model filled (other shapes)
+            return None
+        self.keys, self.values = k, v
+        self._own(provider, prev)
+        return k, v, prev
+
+    def written(self, provider: Any, k: mx.array, v: mx.array, n: int) -> None:
+        """After ``decoder_layer`` wrote n positions of every row at ``_idx``: hold its outputs (see
+        InPlaceKVCache.written), move the index, the per-row offsets and the high-water mark."""
+        self.keys, self.values = k, v
+        self.offset = self.offset + n
+        self._idx += n
+        self._own(provider, self._idx)
 
     def append(self, keys: mx.array, values: mx.array) -> Optional[Tuple[mx.array, mx.array, int]]:
         """Write keys/values (B, H, L, D) at the shared index ``_idx`` (every row's next position; rows are

@@ -123,7 +123,8 @@ class DecoderBlockKernel(Protocol):
     def decoder_layer_plan(self, names: Sequence[str], config: dict) -> Any: ...
 
     def decoder_layer(self, x: mx.array, arrays: list, k_buf: mx.array, v_buf: mx.array, *, offset: int,
-                      causal: bool, plan: Any, write: int = -1, first: int = 0) -> Optional[tuple]: ...
+                      causal: bool, plan: Any, write: int = -1, first: int = 0,
+                      starts: Optional[mx.array] = None) -> Optional[tuple]: ...
 
     def kv_reserve(self, shape: Sequence[int], src: Optional[mx.array] = None, valid: int = 0,
                    dtype: mx.Dtype = mx.float32) -> mx.array: ...
@@ -154,6 +155,8 @@ _KEYWORDS = {
     DecoderBlockKernel: {"decoder_layer": ("offset", "causal", "plan")},
     BatchedPositions: {"sdpa": ("start",)},
 }
+# A left-padded batch through the one-op layer: decoder_layer(..., starts=) (each row's first key).
+_BATCHED_BLOCK = {"decoder_layer": ("starts",)}
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class Capabilities:
     kv_append: bool = False
     decoder_block: bool = False    # needs fused_attention: the blocks fall back to it per call
     batched: bool = False          # BatchedPositions: a BatchKVCache step without built-in RoPE/KV/attention
+    batched_block: bool = False    # decoder_block taking starts=: a BatchKVCache step as one op per layer
 
 
 def capabilities(provider: Any) -> Capabilities:
@@ -181,10 +185,13 @@ def capabilities(provider: Any) -> Capabilities:
         _accepts(getattr(provider, method), words) for method, words in _KEYWORDS.get(proto, {}).items())
     swiglu = has(FusedMLP)
     fused = swiglu and has(FusedAttention)
+    block = fused and has(DecoderBlockKernel)
+    batched = has(BatchedPositions)
     return Capabilities(
         quantized_sdpa=has(QuantizedAttention), swiglu=swiglu, rms_norm=has(NormKernel), rope=has(RopeKernel),
         embedding=has(EmbeddingKernel), fused_attention=fused, kv_append=has(KVAppend),
-        decoder_block=fused and has(DecoderBlockKernel), batched=has(BatchedPositions),
+        decoder_block=block, batched=batched,
+        batched_block=block and batched and all(_accepts(getattr(provider, m), w) for m, w in _BATCHED_BLOCK.items()),
     )
 
 

@@ -1,6 +1,7 @@
 """Batched decode through the native CPU kernels: rows of different prompt lengths in mlx-lm's left-padded
 ``BatchKVCache`` (what ``mlxinfer serve`` and ``bench -b`` run) give each row the tokens it gets decoded on its own,
-logits close to MLX's built-ins, and no step falls back to MLX's RoPE, KV update or attention."""
+logits close to MLX's built-ins, one decoder_layer op per layer and step, and (where that op declines) no step
+falls back to MLX's RoPE, KV update or attention."""
 
 from __future__ import annotations
 
@@ -124,7 +125,19 @@ def test_rows_get_their_own_greedy_tokens(model, prefill):
     assert got == want
 
 
-def test_decode_steps_make_no_builtin_fallback(model, counted):
+def test_decode_steps_run_one_op_per_layer(model, counted):
+    """A batched step is one decoder_layer op per layer (each row from its own left padding), as one sequence's."""
+    _batched(model, "merge", calls=counted)
+    assert {k: v / STEPS for k, v in counted.items()} == {"decoder_layer": len(model.layers)}
+
+
+def test_per_op_batched_steps_make_no_builtin_fallback(model, counted, monkeypatch):
+    """Where the one-op layer declines a batch (a provider without ``starts``), the per-op path still runs RoPE,
+    the KV update and attention natively."""
+    provider = _provider(model)
+    counted_layer = provider.decoder_layer
+    monkeypatch.setattr(provider, "decoder_layer", lambda *a, starts=None, **k: None if starts is not None
+                        else counted_layer(*a, **k))
     _batched(model, "merge", calls=counted)
     per_step = {k: v / STEPS for k, v in counted.items()}
     n = len(model.layers)
@@ -184,3 +197,30 @@ def test_rows_join_and_leave_like_the_server(model):
     for k in prompts:
         assert got[k] == want[k][:len(got[k])], k
     assert [len(got[k]) for k in ("a", "b", "long", "d")] == [STEPS + 2, 4, STEPS + 1, STEPS - 3]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "phi4_mini", "smollm3", "gemma3_text"])
+def test_other_families_decode_a_batch_as_one_op(name, native_ext, tmp_path, smollm2_dir, monkeypatch):
+    """Every family of the spec table decodes a left-padded batch through the one-op layer (q/k/v biases, a fused
+    qkv with partial rotary, NoPE layers; Gemma's global layers: its sliding ones keep mlx-lm's rotating batch
+    cache), each row getting the tokens it gets alone."""
+    import mlxinfer
+
+    loaded = mlxinfer.load(str(tiny_arch.build(name, tmp_path / name, smollm2_dir)), kernels="custom")
+    assert loaded.kernels == "cpu-native", loaded.kernels_detail
+    model, provider = loaded.model, _provider(loaded.model)
+    want = [_alone(model, p)[0] for p in PROMPTS]
+    batched = collections.Counter()
+    one_op = provider.decoder_layer
+
+    def counting(*a, starts=None, **k):
+        out = one_op(*a, starts=starts, **k)
+        batched[starts is not None and out is not None] += 1
+        return out
+
+    monkeypatch.setattr(provider, "decoder_layer", counting)
+    got, _ = _batched(model, "merge")
+    assert got == want
+    sliding = sum(bool(getattr(m, "_native_plan", None) and m._native_plan.spec.sliding_window)
+                  for m in model.layers)
+    assert batched[True] == STEPS * (len(model.layers) - sliding) > 0, batched
