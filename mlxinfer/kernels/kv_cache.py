@@ -239,10 +239,9 @@ class NativeBatchKVCache(BatchKVCache, _OwnedBuffers):
                  L: int) -> Optional[Tuple[mx.array, mx.array, int]]:
         """(k_buf, v_buf, write) for a batched ``decoder_layer``: the buffers (installed in the cache: its own when
         they qualify, else fresh copies with room) and the shared index every row writes this step's keys at
-        (row b attends from ``left_padding[b]``); None when the provider cannot make buffers or the batch is
-        right-padded (mlx-lm rolls that into left padding only in ``finalize``)."""
-        if self._right_padding is not None:
-            return None
+        (row b attends from ``left_padding[b]``); None when the provider cannot make buffers. A right-padded
+        prefill (mlx-lm's ``prepare(right_padding=)``) is taken too: attention is causal, so a row's real tokens
+        never see its padding, which ``finalize`` then rolls to the row's left (a new buffer)."""
         keys, values, prev = self.keys, self.values, self._idx
         if self._owns_buffers(provider, prev, prev + L):
             return keys, values, prev

@@ -1,11 +1,11 @@
 """Continuous batching: one engine thread owns the model; requests join and leave the running batch at token
 boundaries.
 
-* A new request takes the longest stored prefix from the prefix cache. Fresh prompts (no hit) that wait together
-  are prefilled together: left-padded into one ``BatchKVCache`` and run as one forward per chunk (a burst of 8
-  arrivals pays one prefill, not 8 interleaved with decode steps; the batched forward also costs a little less
-  CPU than the 8 single ones). A lone prompt, or one continuing a prefix-cache hit, prefills alone on a plain
-  ``KVCache`` (the fast single-sequence path).
+* A new request takes the longest stored prefix from the prefix cache. Prompts that wait together are prefilled
+  together, each from what its cache holds (a prefix-cache hit, e.g. a shared system prompt, or nothing): merged
+  into one ``BatchKVCache`` and run as one forward per chunk (``sequence.PrefillGroup``: a burst of 8 arrivals
+  pays one prefill, not 8 interleaved with decode steps; the batched forward also costs less CPU than the 8
+  single ones). A lone prompt prefills alone on a plain ``KVCache`` (the fast single-sequence path).
 * Prefill runs in rounds between two decode steps while streams are decoding (they keep flowing): at most
   ``prefill_chunk`` prompt tokens per round times the number of waiting prompts per decoding stream (7 prompts
   arriving while 1 stream decodes stall it once for all 7, not 7 times for the same work), capped at
@@ -208,13 +208,14 @@ class Engine:
                 self._join([seq])
 
     def _form_group(self) -> None:
-        """Fresh prompts waiting together (two or more) become one left-padded batched prefill."""
-        fresh = [s for s in self._prefilling if not s.started and s.todo]
-        if len(fresh) >= 2 and self._can_group(fresh[0].cache):
-            self._group = PrefillGroup(fresh)
+        """Prompts waiting together (two or more, not prefilling alone already) become one batched prefill."""
+        waiting = [s for s in self._prefilling if not s.started and s.todo]
+        if len(waiting) >= 2 and self._can_group(waiting[0].cache):
+            self._group = PrefillGroup(waiting)
 
     def _can_group(self, cache: list) -> bool:
-        """Only plain KV caches batch (not rotating or quantized ones): checked once, on a fresh cache."""
+        """Only plain KV caches batch (not rotating or quantized ones): checked once (a prefix-cache hit's caches
+        are plain ones too: only those are stored)."""
         from mlx_lm.models.cache import KVCache
 
         if self._groupable is None:

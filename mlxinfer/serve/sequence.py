@@ -38,7 +38,7 @@ class SeqState:
         job = ticket.job
         self.ticket, self.job, self.cache, self.reused = ticket, job, cache, reused
         self.todo = job.prompt[reused:-1]           # prompt tokens still to prefill (the last one is fed by decode)
-        self.started = reused > 0                   # its cache holds tokens already (it cannot join a batched prefill)
+        self.started = False                        # its prompt is in a batched prefill or prefilling alone
         self.next_input = job.prompt[-1]
         self.history = list(job.prompt)             # prompt + generated: what the repetition penalty looks at
         self.generated = 0
@@ -117,17 +117,22 @@ class SeqState:
 
 
 class PrefillGroup:
-    """Fresh prompts prefilled together: left-padded into one ``BatchKVCache`` per layer (the rows' last prompt
-    tokens are fed by their first decode step), run a few columns per forward."""
+    """Prompts prefilled together, whatever their caches hold already (nothing, a prefix-cache hit, what a lone
+    prefill did so far): the caches merged by mlx-lm into one left-padded ``BatchKVCache`` per layer, the tokens
+    still to prefill right-padded to one width (mlx-lm's ``BatchGenerator`` way: ``prepare(right_padding=)``, then
+    ``finalize`` rolls each row's padding to its left; causal attention keeps a row's real tokens from seeing
+    its padding meanwhile), run a few columns per forward. The rows' last prompt tokens are fed by their first
+    decode step."""
 
     def __init__(self, rows: list[SeqState]):
-        from mlx_lm.models.cache import BatchKVCache
-
         width = max(len(s.todo) for s in rows)
         pads = [width - len(s.todo) for s in rows]
-        self.rows, self.done_cols = rows, 0
-        self.tokens = [[0] * p + s.todo for p, s in zip(pads, rows)]
-        self.cache = [BatchKVCache(pads) for _ in rows[0].cache]
+        self.rows, self.done_cols, self.padded = rows, 0, any(pads)
+        self.tokens = [s.todo + [0] * p for p, s in zip(pads, rows)]
+        self.cache = [layer[0].merge(list(layer)) for layer in zip(*(s.cache for s in rows))]
+        if self.padded:
+            for c in self.cache:
+                c.prepare(right_padding=pads)
         for s in rows:
             s.cache, s.todo, s.started = None, [], True
 
@@ -145,6 +150,10 @@ class PrefillGroup:
         model(mx.array(chunk), cache=self.cache)
         mx.eval([c.state for c in self.cache])
         self.done_cols = done + len(chunk[0])
+        if self.done and self.padded:
+            for c in self.cache:
+                c.finalize()
+            mx.eval([c.state for c in self.cache])
         return len(self.rows) * len(chunk[0])
 
     def rows_cache(self, keep: list[int]) -> list:

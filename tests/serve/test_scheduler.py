@@ -1,7 +1,7 @@
 """The scheduler in this process (no HTTP): what it asks of the model, counted through a wrapper, not timed.
 
 * a burst of fresh prompts is prefilled as one left-padded batched forward, and decodes to the same greedy text
-  as each prompt alone;
+  as each prompt alone; so is a burst continuing prefix-cache hits (only its new tokens);
 * while streams decode, a burst's prefill goes in rounds of ``prefill_chunk`` tokens per waiting prompt per
   decoding stream, with decode steps between them;
 * decode is pipelined: step N+1 is handed to the model before step N's token is pushed to its client, and a
@@ -61,13 +61,21 @@ def _job(loaded, text: str, n: int) -> s.Job:
 
 
 def _run(loaded, texts: list[str], n: int, *, later: list[str] = (), after_calls: int = 0, cancel_at: int = 0,
-         **engine_kw):
+         stored: str = "", **engine_kw):
     """Submit ``texts`` before the engine starts (they wait together); ``later`` ones from inside the model's
-    ``after_calls``-th forward; at forward ``cancel_at`` the second request's client goes away. Returns (texts
-    in order, None for a cancelled one; the log; the engine)."""
+    ``after_calls``-th forward; at forward ``cancel_at`` the second request's client goes away; ``stored``: a
+    prompt whose KV cache is in the prefix cache first. Returns (texts in order, None for a cancelled one; the
+    log; the engine)."""
     log: list = []
     tickets: list = []
     engine = None
+    if stored:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        tokens, cache = encode_prompt(loaded, stored), make_prompt_cache(loaded.model)
+        loaded.model(mx.array([tokens]), cache=cache)
+        mx.eval([c.state for c in cache])
 
     def on_call(count: int) -> None:
         if later and count == after_calls:
@@ -78,6 +86,8 @@ def _run(loaded, texts: list[str], n: int, *, later: list[str] = (), after_calls
 
     model = Recorder(loaded.model, log, on_call)
     engine = Engine(dataclasses.replace(loaded, model=model), Metrics(), **engine_kw)
+    if stored:
+        engine.prefix.store(tokens, cache)
 
     async def go() -> list[str]:
         loop = asyncio.get_running_loop()
@@ -120,6 +130,23 @@ def test_a_burst_is_prefilled_in_one_batched_forward_and_decodes_as_each_alone(l
     assert calls[0] == (len(PROMPTS), longest - 1)  # every prompt but its last token, left-padded, at once
     assert all(shape == (len(PROMPTS), 1) for shape in calls[1:])  # then batched decode steps only
     assert out == [_alone(loaded, p, 8) for p in PROMPTS]
+
+
+def test_a_burst_of_prefix_cache_hits_prefills_only_its_new_tokens_together(loaded):
+    """Requests sharing a stored prefix (a system prompt, an earlier turn) continue from it in one batched
+    forward over their new tokens only (right-padded to one width), and decode as each alone."""
+    shared = "You are a concise assistant. Answer in one line. Question:"
+    texts = [f"{shared} {p}" for p in PROMPTS]
+    out, log, engine = _run(loaded, texts, 8, parallel=8, prefix_cache_bytes=64 << 20, stored=shared)
+    calls = [shape for kind, shape in log if kind == "call"]
+    stored = encode_prompt(loaded, shared)
+    hits = [next(i for i, (a, b) in enumerate(zip([*stored, None], encode_prompt(loaded, t))) if a != b)
+            for t in texts]  # where each prompt's tokens leave the stored ones
+    new = [len(encode_prompt(loaded, t)) - 1 - n for t, n in zip(texts, hits)]
+    assert min(hits) >= len(stored) - 1 and engine.prefix.reused_tokens == sum(hits)
+    assert calls[0] == (len(texts), max(new))  # the new tokens of every prompt at once, not 4 single prefills
+    assert all(shape == (len(texts), 1) for shape in calls[1:])
+    assert out == [_alone(loaded, t, 8) for t in texts]
 
 
 LONG = ["Once upon a time in a land far away, there lived a", "The quick brown fox jumps over the lazy dog, and then"]
