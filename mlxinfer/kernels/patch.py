@@ -113,7 +113,7 @@ def _apply(model: nn.Module, mode: str) -> KernelReport:
     if any(fused_block.is_one_op(m) for _, m in model.named_modules()):
         # make_prompt_cache(model) (the engine, bench, server) then gives the caches the one-op layers write.
         model.make_cache = kv_cache.cache_maker(model, _windowed_layers(model))
-    why_not = list(getattr(provider, "report_notes", list)())  # e.g. the CPU's int8 prefill
+    why_not = list(provider.report_notes()) if caps.notes else []  # e.g. the CPU's int8 prefill
     why_not += [f"{n} decoder layers not as one op: {why}" for why, n in block_why_not.items()]
     why_not += [f.line() for f in findings]
     validated = eligibility.mlx_lm_validated()

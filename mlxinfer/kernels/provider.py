@@ -148,6 +148,13 @@ class BatchedPositions(Protocol):
                    dtype: mx.Dtype = mx.float32) -> mx.array: ...
 
 
+@runtime_checkable
+class ReportNotes(Protocol):
+    def report_notes(self) -> list:
+        """Clauses the kernel report adds (e.g. the CPU's prefill precision)."""
+        ...
+
+
 # Keyword arguments a capability needs beyond its own methods' names (method -> keywords).
 _KEYWORDS = {
     FusedAttention: {"quantized_matmul": ("residual",), "sdpa": ("heads_last", "kv_len"),
@@ -173,6 +180,7 @@ class Capabilities:
     decoder_block: bool = False    # needs fused_attention: the blocks fall back to it per call
     batched: bool = False          # BatchedPositions: a BatchKVCache step without built-in RoPE/KV/attention
     batched_block: bool = False    # decoder_block taking starts=: a BatchKVCache step as one op per layer
+    notes: bool = False            # ReportNotes: clauses for the kernel report
 
 
 def capabilities(provider: Any) -> Capabilities:
@@ -192,6 +200,7 @@ def capabilities(provider: Any) -> Capabilities:
         embedding=has(EmbeddingKernel), fused_attention=fused, kv_append=has(KVAppend),
         decoder_block=block, batched=batched,
         batched_block=block and batched and all(_accepts(getattr(provider, m), w) for m, w in _BATCHED_BLOCK.items()),
+        notes=has(ReportNotes),
     )
 
 

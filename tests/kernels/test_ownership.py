@@ -190,6 +190,24 @@ def test_capabilities_are_checked_once_by_signature():
 def test_native_provider_has_every_capability(native_ext_or_skip):
     caps = provider_lib.capabilities(native_ext_or_skip)
     assert caps.fused_attention and caps.decoder_block and caps.kv_append and caps.rms_norm and caps.embedding
+    assert caps.batched and caps.batched_block and caps.notes
+
+
+def test_a_decoder_layer_without_starts_is_not_asked_for_batches(native_ext_or_skip):
+    """A provider whose decoder_layer predates ``starts=`` keeps its one-op single-sequence path; batches go
+    per op (``fused_block`` asks only a ``batched_block`` provider)."""
+    native = native_ext_or_skip
+
+    class OldLayer:  # the native provider, its decoder_layer without starts=
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def decoder_layer(self, x, arrays, k_buf, v_buf, *, offset, causal, plan, write=-1, first=0):
+            return native.decoder_layer(x, arrays, k_buf, v_buf, offset=offset, causal=causal, plan=plan,
+                                        write=write, first=first)
+
+    caps = provider_lib.capabilities(OldLayer())
+    assert caps.decoder_block and caps.batched and not caps.batched_block, caps
 
 
 def test_a_provider_without_the_contract_is_refused(monkeypatch):
