@@ -246,7 +246,9 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   }
   a.heads_last = true;
   const size_t esize = half ? sizeof(uint16_t) : sizeof(float);
-  if (p.window <= 0 || (!starts && write + L - first <= p.window)) {
+  // Batch rows start at starts[b] >= the smallest: when even that one's keys fit the window, none is clipped.
+  const int lowest = starts ? *std::min_element(starts, starts + B) : first;
+  if (p.window <= 0 || write + L - lowest <= p.window) {
     a.B = B;
     a.L = L;
     a.S = write + L - first;

@@ -103,12 +103,12 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
 def _batch_block(block, plan: BlockPlan, x: mx.array, mask, cache) -> Optional[mx.array]:
     """``native_block`` for a left-padded batch (serve's continuous batching, ``bench -b``): the same op with each
     row's first key (``left_padding``), every row written at the cache's shared index. The mask must be the cache's
-    own (causal + left padding, what ``make_mask`` gives: checked by shape); sliding-window layers are not taken
-    (their batched cache is mlx-lm's rotating one)."""
+    own (causal + left padding, and for a sliding layer its window, what ``make_mask`` gives: checked by shape;
+    the op applies the window itself). A sliding layer's batch cache is a plain one here when the server gave
+    the rows whole caches (``kv_cache.whole_caches``); mlx-lm's rotating batch cache is not taken."""
     spec = plan.spec
     provider = block._kernel_provider
-    if (spec.sliding_window or not caps_of(provider).batched_block
-            or (cache := NativeBatchKVCache.adopt(cache, provider)) is None):
+    if not caps_of(provider).batched_block or (cache := NativeBatchKVCache.adopt(cache, provider)) is None:
         return None
     B, L = x.shape[0], x.shape[1]
     if not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape == (B, 1, L, cache._idx + L)):

@@ -311,6 +311,18 @@ class NativeBatchKVCache(BatchKVCache, _OwnedBuffers):
         return k[..., :n, :], v[..., :n, :]
 
 
+def whole_caches(model: Any) -> list:
+    """``make_prompt_cache(model)`` with each one-op sliding-window layer's InPlaceRotatingKVCache replaced by an
+    InPlaceKVCache that keeps every position (the op, and mlx-lm's code with the model's window mask, attend only
+    the window either way): what a server needs to batch such a model's requests (mlx-lm merges, extends,
+    filters and extracts plain caches; prefix-cache entries hold every position). The cost is memory: those
+    layers hold the whole context instead of the window."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return [InPlaceKVCache() if type(c) is InPlaceRotatingKVCache and c.keys is None else c
+            for c in make_prompt_cache(model)]
+
+
 def cache_maker(model: Any, windowed: frozenset = frozenset()) -> Callable[[], list]:
     """A ``make_cache`` for ``model``: what its class' ``make_cache`` makes (or, without one, what mlx-lm's
     ``make_prompt_cache`` makes: a ``KVCache`` per layer), each plain ``KVCache`` an InPlaceKVCache; so are the

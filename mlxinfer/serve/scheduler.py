@@ -147,7 +147,7 @@ class Engine:
         return out
 
     def _admit(self, ticket: Ticket) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
+        from ..kernels.kv_cache import whole_caches
 
         if ticket.cancelled:
             return
@@ -160,7 +160,8 @@ class Engine:
             m.prefix_tokens.inc(n)
         m.prompt_tokens.inc(len(job.prompt))
         m.prefill_tokens.inc(len(job.prompt) - n)
-        seq = SeqState(ticket, cache or make_prompt_cache(self.model), n, self.loaded.tokenizer)
+        # Whole caches (a one-op sliding layer's too): they batch, merge and go to the prefix cache.
+        seq = SeqState(ticket, cache or whole_caches(self.model), n, self.loaded.tokenizer)
         self._prefilling.append(seq)
         self._update_gauges()
 
