@@ -168,15 +168,28 @@ def mlx_lm_timed(model, tokenizer) -> Timed:
     return timed
 
 
+def batch_cache(model, context: Sequence[int] = ()) -> list:
+    """One sequence's cache for a batch, as ``mlxinfer serve`` makes them (``kernels.kv_cache.whole_caches``: a
+    one-op sliding layer's too keeps every position, so that mlx-lm merges it into a plain batch cache the
+    one-op layers take), prefilled with ``context``."""
+    from ..kernels.kv_cache import whole_caches
+
+    cache = whole_caches(model)
+    if context:
+        prefill(model, cache, context)
+    return cache
+
+
 def run_batch(model, prompts: list[list[int]], gen: int, contexts: list[list[int]] | None = None) -> Sample:
-    """Time ``len(prompts)`` sequences decoded together by mlx-lm's ``BatchGenerator`` (greedy, no stop tokens)."""
+    """Time ``len(prompts)`` sequences decoded together by mlx-lm's ``BatchGenerator`` (greedy, no stop tokens),
+    on the caches the server gives (:func:`batch_cache`)."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
 
     b = len(prompts)
-    caches = [new_cache(model, c) for c in contexts] if contexts else None
-    per_token, capacity = kv_layout(caches[0]) if caches else (0, None)
+    caches = [batch_cache(model, c) for c in (contexts or [()] * b)]
+    per_token, capacity = kv_layout(caches[0]) if contexts else (0, None)
     gen_ = BatchGenerator(model, max_tokens=gen, stop_tokens=None, sampler=make_sampler(0.0),
                           completion_batch_size=b, prefill_batch_size=b, prefill_step_size=PREFILL_STEP)
     mx.reset_peak_memory()
@@ -192,7 +205,7 @@ def run_batch(model, prompts: list[list[int]], gen: int, contexts: list[list[int
         gen_.close()
     sample.peak_memory = int(mx.get_peak_memory())
     if not per_token:
-        probe = new_cache(model, prompts[0][:2])
+        probe = batch_cache(model, prompts[0][:2])
         per_token, capacity = kv_layout(probe)
     sample.kv_per_token, sample.kv_capacity = per_token, capacity
     return sample
