@@ -77,19 +77,28 @@ static inline void qmv_block(const QmmArgs& a, int n, float* sd, float* sbuf, fl
   const float* const xd = a.xd;
   const float* const xsum = a.xsum;
   const float* const xcorr = a.xcorr;
+  {
+    // The scales and biases of the rows a few blocks on, as the weights below (separate arrays: their own misses).
+    const size_t item = a.stype == ScaleType::f32 ? 4 : 2, sbytes = (size_t)R * ng * item;
+    const size_t ahead = (size_t)(n + 2 * R) * ng * item;
+    for (size_t l = 0; l < sbytes; l += 64) {
+      _mm_prefetch(static_cast<const char*>(a.scales) + ahead + l, _MM_HINT_T0);
+      _mm_prefetch(static_cast<const char*>(a.biases) + ahead + l, _MM_HINT_T0);
+    }
+  }
   for (int r = 0; r < R; ++r) {
     scale_row_values(a.scales, a.stype, n + r, ng, sbuf);  // the pad past ng stays zero (qmv_rows)
     scale_row_values(a.biases, a.stype, n + r, ng, bbuf);
     for (int m = 0; m < MM; ++m) acc0[r][m] = acc1[r][m] = _mm256_setzero_ps();
-    // sd[r][m][g] = s[g] * d[m][g] for the group loop; the bias and centring terms go straight into acc1
-    // (xd, xsum, xcorr are zero past ng).
+    // sd[r][m][g] = s[g] * d[m][g] for the group loop; the centring and bias terms go straight into acc0 and
+    // acc1 (two chains, not one: they are all this loop waits on) (xd, xsum, xcorr are zero past ng).
     for (int g = 0; g < ng; g += 8) {
       const __m256 sv = _mm256_load_ps(sbuf + g), bv = _mm256_load_ps(bbuf + g);
       for (int m = 0; m < MM; ++m) {
         const size_t xo = (size_t)m * gp + g;
         _mm256_storeu_ps(sd + (r * MM + m) * gp + g, _mm256_mul_ps(sv, _mm256_loadu_ps(xd + xo)));
         acc1[r][m] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xsum + xo), acc1[r][m]);
-        acc1[r][m] = _mm256_fmadd_ps(sv, _mm256_loadu_ps(xcorr + xo), acc1[r][m]);
+        acc0[r][m] = _mm256_fmadd_ps(sv, _mm256_loadu_ps(xcorr + xo), acc0[r][m]);
       }
     }
   }
