@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import mlx.core as mx
-
-from mlxinfer.kernels import spec as spec_lib
-from mlxinfer.kernels.layers import caps_of
 from mlx_lm.models.cache import BatchKVCache
 
+from mlxinfer.kernels import spec as spec_lib
 from mlxinfer.kernels.kv_cache import InPlaceKVCache, InPlaceRotatingKVCache, NativeBatchKVCache, kv_dtype
+from mlxinfer.kernels.layers import caps_of
 
 
 @dataclass(frozen=True)
