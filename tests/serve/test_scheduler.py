@@ -149,6 +149,16 @@ def test_a_burst_of_prefix_cache_hits_prefills_only_its_new_tokens_together(load
     assert out == [_alone(loaded, t, 8) for t in texts]
 
 
+def test_a_burst_mixing_hits_fresh_prompts_and_a_whole_hit_decodes_as_each_alone(loaded):
+    """One burst: prompts continuing a stored prefix, a prompt sharing nothing with it, and the stored prompt
+    itself (nothing left to prefill: it goes straight to decoding) — each reply is the one it gets alone."""
+    shared = "You are a concise assistant. Answer in one line. Question:"
+    texts = [f"{shared} {PROMPTS[0]}", "Paris is the capital of", shared, f"{shared} {PROMPTS[2]}"]
+    out, log, engine = _run(loaded, texts, 8, parallel=8, prefix_cache_bytes=64 << 20, stored=shared)
+    assert engine.prefix.hits >= 3
+    assert out == [_alone(loaded, t, 8) for t in texts]
+
+
 LONG = ["Once upon a time in a land far away, there lived a", "The quick brown fox jumps over the lazy dog, and then"]
 
 
