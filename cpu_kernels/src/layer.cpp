@@ -246,34 +246,19 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   }
   a.heads_last = true;
   const size_t esize = half ? sizeof(uint16_t) : sizeof(float);
-  // Batch rows start at starts[b] >= the smallest: when even that one's keys fit the window, none is clipped.
-  const int lowest = starts ? *std::min_element(starts, starts + B) : first;
-  if (p.window <= 0 || write + L - lowest <= p.window) {
-    a.B = B;
-    a.L = L;
-    a.S = write + L - first;
-    a.causal = causal && L > 1;
-    a.start = starts;  // a left-padded batch (first is 0): row b sees keys [starts[b], write + L)
-    a.q = qh;
-    a.k = kbuf.data<char>() + (int64_t)first * d * esize;
-    a.v = vbuf.data<char>() + (int64_t)first * d * esize;
-    a.out = attn;
-    sdpa_exec(a);
-  } else {  // one query row at a time over its own window of keys
-    a.B = 1;
-    a.L = 1;
-    a.causal = false;
-    for (int b = 0; b < B; ++b)
-      for (int l = 0; l < L; ++l) {
-        const int pos = write + l, start = std::max(starts ? starts[b] : first, pos + 1 - p.window);
-        a.S = pos + 1 - start;
-        a.q = qh + b * qs[0] + (size_t)l * d;
-        a.k = kbuf.data<char>() + (b * ks[0] + (int64_t)start * d) * esize;
-        a.v = vbuf.data<char>() + (b * ks[0] + (int64_t)start * d) * esize;
-        a.out = attn + ((size_t)b * L + l) * qd;
-        sdpa_exec(a);
-      }
-  }
+  // One call: causal over [first, write + L), each batch row from its own start (a left-padded batch, first 0),
+  // and for a sliding layer each query only its last `window` keys (the kernel's window bound).
+  a.B = B;
+  a.L = L;
+  a.S = write + L - first;
+  a.causal = causal && L > 1;
+  a.start = starts;
+  a.window = p.window > 0 ? p.window : 0;
+  a.q = qh;
+  a.k = kbuf.data<char>() + (int64_t)first * d * esize;
+  a.v = vbuf.data<char>() + (int64_t)first * d * esize;
+  a.out = attn;
+  sdpa_exec(a);
 
   // h = x + (norm_ao(o(attn)) | o(attn))
   if (p.at[sAttnOutNorm] >= 0) {

@@ -124,6 +124,7 @@ struct SdpaArgs {
   float* out;                    // (B, Hq, L, D) contiguous, or (B, L, Hq, D) when heads_last
   bool heads_last;               // output rows in (B, L, Hq, D) order: the o_proj input needs no transpose
   const int* start = nullptr;    // (B,): batch row b sees no key before start[b] (left padding); null: 0
+  int window = 0;                // > 0: query i sees only its last `window` keys, j > i + S - L - window
 
   // Element offset of output row (b, h, i).
   int64_t out_row(int b, int h, int i) const {

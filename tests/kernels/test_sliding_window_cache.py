@@ -171,6 +171,23 @@ def test_a_taken_state_is_not_changed_by_later_steps(model):
     assert k.shape[2] == WINDOW and cache[0].size() == WINDOW
 
 
+def test_whole_caches_prefill_past_the_window_in_one_call_match_builtin(model):
+    """The server's whole caches (``kv_cache.whole_caches``: the sliding layer keeps every position): a 44-token
+    prefill (window 16) in one call, each query attending its own last 16 keys in the op's attention kernel, then
+    decode steps, against MLX's built-ins on mlx-lm's rotating cache."""
+    from mlxinfer.kernels.kv_cache import whole_caches
+
+    tokens = _greedy_tokens(model, 12)
+    patch.apply_kernels(model, "builtin")
+    want = _run(model, [PROMPT + TURN] + [[t] for t in tokens])
+    patch.apply_kernels(model, "auto")
+    cache = whole_caches(model)
+    assert type(cache[0]) is InPlaceKVCache
+    got = [_step(model, cache, PROMPT + TURN)] + [_step(model, cache, [t]) for t in tokens]
+    assert cache[0].offset == len(PROMPT + TURN) + len(tokens) <= cache[0].keys.shape[2]  # every position kept
+    assert _rel_err(mx.stack(got), want) < REL_TOL
+
+
 def test_batched_rows_and_an_extracted_row_match_alone(model):
     """The server's way: rows prefilled alone, merged by mlx-lm (the sliding layer's caches into a
     BatchRotatingKVCache), decoded together past the window, then one row extracted (mlx-lm's RotatingKVCache,
