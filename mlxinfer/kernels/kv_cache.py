@@ -69,6 +69,20 @@ class _OwnedBuffers:
         self._owned = (provider.array_handle(k), provider.array_handle(v), provider.array_id(k), provider.array_id(v))
         self._high_water = end
 
+    def _fresh_buffers(self, provider: Any, shape: Tuple[int, int, int, int], sources: tuple, valid: int,
+                       dtype: mx.Dtype) -> Optional[Tuple[mx.array, mx.array]]:
+        """Fresh kv_reserve buffers ``shape`` holding the first ``valid`` positions of ``sources`` (k, v; None:
+        nothing to copy), installed as the cache's own from ``valid`` on; None when the provider cannot make them
+        (e.g. a cache another model filled: other shapes or dtype)."""
+        try:
+            k, v = (provider.kv_reserve(shape, src, valid=valid if src is not None else 0, dtype=dtype)
+                    for src in sources)
+        except (ValueError, TypeError):
+            return None
+        self.keys, self.values = k, v
+        self._own(provider, valid)  # a fresh buffer starts with what it copied
+        return k, v
+
 
 class InPlaceKVCache(KVCache, _OwnedBuffers):
     """mlx-lm's ``KVCache`` whose buffers a one-op layer may write in place (rules in the module doc)."""
@@ -94,17 +108,10 @@ class InPlaceKVCache(KVCache, _OwnedBuffers):
             return keys, values, offset, 0
         B, H, D = head_shape
         capacity = (offset + L + self.step - 1) // self.step * self.step
-        keep, dtype = keys is not None and offset > 0, kv_dtype()
-        try:
-            k = provider.kv_reserve((B, H, capacity, D), keys if keep else None, valid=offset if keep else 0,
-                                    dtype=dtype)
-            v = provider.kv_reserve((B, H, capacity, D), values if keep else None, valid=offset if keep else 0,
-                                    dtype=dtype)
-        except (ValueError, TypeError):  # e.g. a cache another model filled (other shapes or dtype)
-            return None
-        self.keys, self.values = k, v
-        self._own(provider, offset)  # a fresh buffer starts with what it copied
-        return k, v, offset, 0
+        keep = keys is not None and offset > 0
+        fresh = self._fresh_buffers(provider, (B, H, capacity, D), (keys, values) if keep else (None, None), offset,
+                                    kv_dtype())
+        return None if fresh is None else (*fresh, offset, 0)
 
     def written(self, provider: Any, k: mx.array, v: mx.array, write: int, first: int, n: int) -> None:
         """After ``decoder_layer`` wrote n positions at ``write`` (= the offset here; ``first`` is always 0): hold
@@ -185,16 +192,13 @@ class InPlaceRotatingKVCache(RotatingKVCache, _OwnedBuffers):
         limit = window + max(window // 4, 1)  # the most a decode step keeps: the window and room for window/4
         capacity = max(need, limit) if need >= window else min((need + self.step - 1) // self.step * self.step,
                                                                 limit)
-        dtype = kv_dtype()
-        try:
-            src = (self._temporal_order(keys)[..., n - kept:, :], self._temporal_order(values)[..., n - kept:, :]) \
-                if kept else (None, None)
-            k, v = (provider.kv_reserve((B, H, capacity, D), s, valid=kept, dtype=dtype) for s in src)
-        except (ValueError, TypeError):  # e.g. a cache another model filled (other shapes or dtype)
+        src = (self._temporal_order(keys)[..., n - kept:, :], self._temporal_order(values)[..., n - kept:, :]) \
+            if kept else (None, None)
+        fresh = self._fresh_buffers(provider, (B, H, capacity, D), src, kept, kv_dtype())
+        if fresh is None:
             return None
-        self.keys, self.values, self._first, self._idx = k, v, 0, kept
-        self._own(provider, kept)
-        return k, v, kept, 0
+        self._first, self._idx = 0, kept
+        return (*fresh, kept, 0)
 
     def written(self, provider: Any, k: mx.array, v: mx.array, write: int, first: int, n: int) -> None:
         """After ``decoder_layer`` wrote n keys at ``write``: hold its outputs (see InPlaceKVCache.written), the
@@ -249,16 +253,9 @@ class NativeBatchKVCache(BatchKVCache, _OwnedBuffers):
         capacity = (prev + L + self.step - 1) // self.step * self.step
         keep = keys is not None and prev > 0
         dtype = keys.dtype if keys is not None and keys.dtype in (mx.float16, mx.float32) else kv_dtype()
-        try:
-            k = provider.kv_reserve((B, H, capacity, D), keys if keep else None, valid=prev if keep else 0,
-                                    dtype=dtype)
-            v = provider.kv_reserve((B, H, capacity, D), values if keep else None, valid=prev if keep else 0,
-                                    dtype=dtype)
-        except (ValueError, TypeError):  # e.g. buffers another model filled (other shapes)
-            return None
-        self.keys, self.values = k, v
-        self._own(provider, prev)
-        return k, v, prev
+        fresh = self._fresh_buffers(provider, (B, H, capacity, D), (keys, values) if keep else (None, None), prev,
+                                    dtype)
+        return None if fresh is None else (*fresh, prev)
 
     def written(self, provider: Any, k: mx.array, v: mx.array, n: int) -> None:
         """After ``decoder_layer`` wrote n positions of every row at ``_idx``: hold its outputs (see

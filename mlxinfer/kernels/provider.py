@@ -162,8 +162,6 @@ _KEYWORDS = {
     DecoderBlockKernel: {"decoder_layer": ("offset", "causal", "plan")},
     BatchedPositions: {"sdpa": ("start",)},
 }
-# A left-padded batch through the one-op layer: decoder_layer(..., starts=) (each row's first key).
-_BATCHED_BLOCK = {"decoder_layer": ("starts",)}
 
 
 @dataclass(frozen=True)
@@ -199,7 +197,8 @@ def capabilities(provider: Any) -> Capabilities:
         quantized_sdpa=has(QuantizedAttention), swiglu=swiglu, rms_norm=has(NormKernel), rope=has(RopeKernel),
         embedding=has(EmbeddingKernel), fused_attention=fused, kv_append=has(KVAppend),
         decoder_block=block, batched=batched,
-        batched_block=block and batched and all(_accepts(getattr(provider, m), w) for m, w in _BATCHED_BLOCK.items()),
+        # A left-padded batch through the one-op layer: decoder_layer(..., starts=), each row's first key.
+        batched_block=block and batched and _accepts(provider.decoder_layer, ("starts",)),
         notes=has(ReportNotes),
     )
 
