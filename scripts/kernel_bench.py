@@ -26,6 +26,10 @@ from mlxinfer.kernels.patch import backend
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
+def _us(value) -> str:
+    return "—" if value is None else f"{value:.1f} µs"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -57,8 +61,8 @@ def main(argv=None) -> int:
     rows = run_microbench(
         args.models, dtype=DTYPES.get(args.dtype), rows=args.rows, contexts=args.contexts,
         group_size=args.group_size, bits=args.bits, repeat=args.repeat,
-        progress=lambda r: print(f"  {r.kernel:7s} {r.shape}: built-in {r.builtin_us:.1f} µs, custom "
-                                 f"{'—' if r.custom_us is None else f'{r.custom_us:.1f} µs'}", file=sys.stderr),
+        progress=lambda r: print(f"  {r.kernel:7s} {r.shape}: built-in {_us(r.builtin_us)}, custom {_us(r.custom_us)}",
+                                 file=sys.stderr),
     )
     print(markdown(rows))
     if args.json:

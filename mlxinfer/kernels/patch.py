@@ -39,6 +39,12 @@ from mlxinfer.kernels.provider import Capabilities, KernelProvider, capabilities
 
 ENV_VAR = "MLXINFER_KERNELS"
 MODES = ("auto", "custom", "builtin")
+# Backends where "auto" keeps MLX's built-ins, and why: measured, not assumed (``--kernels custom`` still runs
+# mlxinfer's kernels there). On an H200 with MLX 0.32.4 the CUDA route gives the built-ins' greedy tokens but is
+# 2-3x slower per matmul and attention call and JIT-compiles for tens of seconds (docs/kernels.md).
+AUTO_BUILTIN = {
+    "cuda": "faster than mlxinfer's CUDA kernels on the GPUs measured; --kernels custom runs those",
+}
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,8 @@ def _apply(model: nn.Module, mode: str) -> KernelReport:
     if mode == "builtin":
         return KernelReport("builtin", "MLX built-in kernels (requested)")
     where = backend()
+    if mode == "auto" and where in AUTO_BUILTIN:  # before select_provider: no kernel is built or self-tested
+        return KernelReport("builtin", f"MLX built-in kernels ({AUTO_BUILTIN[where]})")
     provider, why = select_provider(where)
     caps = None
     if provider is not None:

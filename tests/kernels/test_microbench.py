@@ -31,3 +31,15 @@ def test_microbench_rows(monkeypatch):
     assert rows[5].custom_us is None and rows[5].speedup is None  # declined
     table = microbench.markdown(rows)
     assert table.count("\n") == len(rows) + 1 and "tiny: q/o M=1 256x128 4b/g64" in table
+
+
+def test_a_builtin_mlx_lacks_leaves_its_column_empty():
+    # MLX's CUDA backend has no quantized_matmul for q8 attention's shapes and fails when evaluated; the custom
+    # kernel is still timed and the row says "—" for the built-in instead of ending the whole benchmark.
+    def missing():
+        raise RuntimeError('[quantized_matmul] No implementation for problem shape: 1x512x64x32')
+
+    x = mx.ones((1, 64))
+    row = microbench._row("sdpa-q8", "S=512", mx.float32, missing, lambda: x * 2, repeat=2)
+    assert row.builtin_us is None and row.custom_us > 0 and row.max_abs_err is None and row.speedup is None
+    assert "| sdpa-q8 | S=512 | float32 | — |" in microbench.markdown([row])

@@ -156,6 +156,24 @@ def test_no_provider_auto_is_builtin_and_custom_raises(cpu_provider):
         apply_kernels(model, "custom")
 
 
+def test_auto_keeps_the_builtins_where_they_measured_faster(monkeypatch):
+    # CUDA: "auto" keeps MLX's built-ins without building or self-testing a kernel; "custom" still asks for them.
+    monkeypatch.delenv(patch.ENV_VAR, raising=False)
+    monkeypatch.setattr(patch, "backend", lambda: "cuda")
+    fake = CountingProvider()
+    asked = []
+    monkeypatch.setattr(patch, "select_provider", lambda name=None: (asked.append(name), (fake, "fake ready"))[1])
+    model = tiny_llama()
+    before = logits(model, [1, 2, 3])
+    report = apply_kernels(model, "auto")
+    assert report.name == "builtin" and patch.AUTO_BUILTIN["cuda"] in report.detail and asked == []
+    assert mx.array_equal(logits(model, [1, 2, 3]), before).item()
+    try:
+        assert apply_kernels(model, "custom").name == "fake-custom" and asked == ["cuda"]
+    finally:
+        apply_kernels(model, "builtin")
+
+
 def test_env_var_overrides_auto_only(cpu_provider, monkeypatch):
     model = tiny_llama()
     cpu_provider["provider"] = CountingProvider()
