@@ -273,6 +273,8 @@ class NativeBatchKVCache(BatchKVCache, _OwnedBuffers):
         if provider is None or self._right_padding is not None:
             return None
         k_buf, v_buf = self.keys, self.values
+        # Not _fresh_buffers: it owns the buffers (keeps handles on them), and a handle held here would stop
+        # kv_append from writing in place (it does so only when nothing else holds them) and keep a stale copy.
         try:
             if k_buf is None or prev + n > k_buf.shape[2]:  # grow (mlx-lm: zeros + concatenate) as one copy each
                 capacity = (prev + n + self.step - 1) // self.step * self.step
