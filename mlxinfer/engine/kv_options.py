@@ -12,6 +12,7 @@ caches they step aside per call and :func:`kernel_note` says so, for the kernel 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -135,10 +136,32 @@ def make_cache(model: Any, opts: KVOptions | None = None) -> list:
         raise InvalidParameter(f"--kv-bits does not apply to this model: its attention heads have {head_dim} "
                                f"dimensions, not a multiple of the quantization group ({opts.group_size})",
                                hint="run it without --kv-bits")
+    if opts.bits is not None and (problem := quantized_attention_problem(head_dim or 64, opts.group_size, opts.bits)):
+        raise InvalidParameter(f"--kv-bits does not work with this MLX build on this device: {problem}",
+                               hint="run it without --kv-bits")
     if swap is not None:
         for i in plain:
             cache[i] = swap()
     return cache
+
+
+@functools.lru_cache(maxsize=None)
+def quantized_attention_problem(head_dim: int, group_size: int, bits: int) -> str | None:
+    """None when MLX runs attention over a quantized KV cache on the default device, else MLX's error (its first
+    line). Checked once on tiny inputs, decode (1 query) and prefill (16): MLX 0.32.4's CUDA quantized_matmul has
+    no implementation for these shapes (seen on an H200), which would otherwise fail mid-generation."""
+    import mlx.core as mx
+    from mlx_lm.models import base
+
+    keys = mx.quantize(mx.zeros((1, 1, 33, head_dim), mx.float16), group_size=group_size, bits=bits)
+    try:
+        for queries in (1, 16):
+            q = mx.zeros((1, 1, queries, head_dim), mx.float16)
+            mx.eval(base.quantized_scaled_dot_product_attention(q, keys, keys, scale=1.0, mask=None,
+                                                                group_size=group_size, bits=bits))
+    except RuntimeError as exc:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
 
 
 def _head_dim(model: Any) -> int | None:

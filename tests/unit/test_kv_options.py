@@ -103,6 +103,34 @@ def test_a_head_dim_the_group_does_not_divide_is_refused():
     make_cache(net, KVOptions(max_size=64))
 
 
+def test_a_backend_without_quantized_attention_is_refused_before_generating(monkeypatch):
+    # MLX 0.32.4 on CUDA (an H200) raised this when evaluating attention over a QuantizedKVCache: the probe at
+    # cache creation turns it into one clear line instead of a failure mid-generation.
+    from mlx_lm.models import base
+
+    from mlxinfer.engine import kv_options
+
+    def unsupported(q, keys, values, **kw):
+        import mlx.core as mx
+
+        return mx.zeros(q.shape) if q.shape[2] == 1 else _fails()
+
+    def _fails():
+        raise RuntimeError('[quantized_matmul] No implementation for problem shape: 1x33x64x4, transpose: true')
+
+    net = _tiny(quantized=False)
+    kv_options.quantized_attention_problem.cache_clear()
+    try:
+        assert kv_options.quantized_attention_problem(64, 32, 8) is None  # this machine's MLX runs it
+        monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", unsupported)
+        kv_options.quantized_attention_problem.cache_clear()
+        with pytest.raises(InvalidParameter, match=r"--kv-bits does not work .*No implementation for problem shape"):
+            make_cache(net, KVOptions(bits=8))  # decode worked, the 16-query prefill did not
+        make_cache(net, KVOptions(max_size=64))  # other caches are unaffected
+    finally:
+        kv_options.quantized_attention_problem.cache_clear()
+
+
 def test_a_model_without_plain_kv_cache_is_refused():
     from mlx_lm.models.cache import ArraysCache
 
