@@ -4,12 +4,20 @@
 For each concurrency level (default 1,2,4,8,16) it runs that many clients, each sending ``--requests`` streamed
 chat requests back to back (greedy, a fixed ``--max-tokens``, prompts of about ``--prompt-words`` words that
 differ per request so no prefix cache helps), and reports requests/s, time to first token p50/p99, inter-token
-latency p50/p99 and aggregate generated tokens/s (usage numbers when the server gives them, else streamed chunks).
+latency p50/p99 and aggregate generated tokens/s (usage numbers when the server gives them, else streamed chunks:
+output throughput, prefill time included), and the decode rate alone: clients ÷ mean inter-token latency, what
+the streams receive while they decode (other requests' prefills that stall them included).
 
     # both engines on the bundled model, servers started and stopped by the script:
     python scripts/serve_bench.py --model smollm2 --engines mlxinfer,mlx_lm -o docs/serve-bench.json
     # an already running server:
     python scripts/serve_bench.py --url http://127.0.0.1:8080 --concurrency 1,8
+
+By default every request asks for the same number of tokens and all clients start together, so they stay in
+lockstep: every request arrives in a burst with the others' (the worst case for time to first token). ``--vary``
+gives a desynchronised closed loop instead, closer to real traffic: each request's ``max_tokens`` is drawn from
+[0.5, 1.5] x ``--max-tokens`` (seeded by the request's number) and the clients' first requests are spread
+uniformly over the duration of the warm-up request.
 
 Run it on a quiet machine: it measures the machine as much as the server. Each row also gives the load average
 at its end and, for servers the script started, the server process's CPU time per generated token (user + system,
@@ -49,9 +57,15 @@ def prompt(i: int, words: int) -> str:
     return f"Request {i}. Write a short story using these words: " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+def max_tokens(i: int, args) -> int:
+    if not args.vary:
+        return args.max_tokens
+    return random.Random(10**6 + i).randint(max(1, args.max_tokens // 2), args.max_tokens * 3 // 2)
+
+
 async def one_request(client: httpx.AsyncClient, url: str, model: str, i: int, args) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt(i, args.prompt_words)}],
-            "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+            "max_tokens": max_tokens(i, args), "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     times, usage = [], None
@@ -84,14 +98,16 @@ async def run_level(url: str, model: str, clients: int, args, pid: int | None = 
     counter = iter(range(10**9))
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        await one_request(client, url, model, -1 - clients, args)  # warm-up (not counted)
+        warm = await one_request(client, url, model, -1 - clients, args)  # warm-up (not counted)
+        spread = warm["end"] - warm["start"] if args.vary else 0.0
 
-        async def worker():
+        async def worker(k: int):
+            await asyncio.sleep(spread * k / clients)  # --vary: first requests spread over one request's time
             return [await one_request(client, url, model, next(counter) + 1000 * clients, args)
                     for _ in range(args.requests)]
 
         t0, cpu0 = time.perf_counter(), cpu_seconds(pid)
-        results = [r for rs in await asyncio.gather(*(worker() for _ in range(clients))) for r in rs]
+        results = [r for rs in await asyncio.gather(*(worker(k) for k in range(clients))) for r in rs]
         wall, cpu1 = time.perf_counter() - t0, cpu_seconds(pid)
     ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
@@ -99,7 +115,9 @@ async def run_level(url: str, model: str, clients: int, args, pid: int | None = 
     return {"clients": clients, "requests": len(results), "wall_s": wall, "req_per_s": len(results) / wall,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99),
-            "tokens": tokens, "aggregate_tok_s": tokens / wall, "load_avg_1m": os.getloadavg()[0],
+            "tokens": tokens, "aggregate_tok_s": tokens / wall,
+            "decode_tok_s": clients * len(itl) / sum(itl) if itl and sum(itl) > 0 else None,
+            "load_avg_1m": os.getloadavg()[0],
             "server_cpu_ms_per_token": (cpu1 - cpu0) / tokens * 1e3 if cpu0 is not None and cpu1 and tokens else None}
 
 
@@ -146,14 +164,14 @@ HEADERS: dict = {}
 
 def table(rows: list[dict]) -> str:
     out = ["| engine | clients | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | aggregate tok/s | "
-           "server CPU ms/token | load |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "decode tok/s (clients ÷ mean ITL) | server CPU ms/token | load |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        cpu = r.get("server_cpu_ms_per_token")
+        cpu, decode = r.get("server_cpu_ms_per_token"), r.get("decode_tok_s")
         out.append(f"| {r['engine']} | {r['clients']} | {r['req_per_s']:.2f} | {r['ttft_p50_s'] * 1e3:.0f} | "
                    f"{r['ttft_p99_s'] * 1e3:.0f} | {r['itl_p50_s'] * 1e3:.1f} | {r['itl_p99_s'] * 1e3:.1f} | "
-                   f"{r['aggregate_tok_s']:.1f} | {'—' if cpu is None else f'{cpu:.1f}'} | "
-                   f"{r['load_avg_1m']:.1f} |")
+                   f"{r['aggregate_tok_s']:.1f} | {'—' if decode is None else f'{decode:.1f}'} | "
+                   f"{'—' if cpu is None else f'{cpu:.1f}'} | {r['load_avg_1m']:.1f} |")
     return "\n".join(out)
 
 
@@ -166,6 +184,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per client and level")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-words", type=int, default=40)
+    ap.add_argument("--vary", action="store_true",
+                    help="vary max_tokens per request (0.5-1.5x) and spread the clients' starts (see above)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--api-key", default=os.environ.get("MLXINFER_API_KEY"))
     ap.add_argument("-o", "--output", help="also write the results as JSON here")
