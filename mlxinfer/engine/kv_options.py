@@ -136,7 +136,9 @@ def make_cache(model: Any, opts: KVOptions | None = None) -> list:
         raise InvalidParameter(f"--kv-bits does not apply to this model: its attention heads have {head_dim} "
                                f"dimensions, not a multiple of the quantization group ({opts.group_size})",
                                hint="run it without --kv-bits")
-    if opts.bits is not None and (problem := quantized_attention_problem(head_dim or 64, opts.group_size, opts.bits)):
+    # A head dim the args do not give is probed as one group (the probe's keys must split into whole groups).
+    probe_dim = head_dim or opts.group_size
+    if opts.bits is not None and (problem := quantized_attention_problem(probe_dim, opts.group_size, opts.bits)):
         raise InvalidParameter(f"--kv-bits does not work with this MLX build on this device: {problem}",
                                hint="run it without --kv-bits")
     if swap is not None:

@@ -131,6 +131,21 @@ def test_a_backend_without_quantized_attention_is_refused_before_generating(monk
         kv_options.quantized_attention_problem.cache_clear()
 
 
+def test_a_model_whose_head_dim_is_unknown_gets_a_quantized_cache_at_any_group_size():
+    # No model args to read the head dim from: the probe must not build keys the group cannot split.
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    class NoArgs:
+        layers = [object()]
+
+        def make_cache(self):
+            return [KVCache()]
+
+    for group in (32, 64, 128):
+        cache = make_cache(NoArgs(), KVOptions(bits=8, group_size=group))
+        assert isinstance(cache[0], QuantizedKVCache) and cache[0].group_size == group
+
+
 def test_a_model_without_plain_kv_cache_is_refused():
     from mlx_lm.models.cache import ArraysCache
 
