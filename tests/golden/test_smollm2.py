@@ -60,26 +60,16 @@ def test_max_tokens_ends_with_length(smollm2):
     assert out[-1].finish_reason == "length" and out[-1].stats.generation_tokens == 3
 
 
-@pytest.fixture(scope="module")
-def ref_model(smollm2_dir):
-    """mlx-lm loading the imported directory by itself, once for the module."""
-    import mlx_lm
-
-    return mlx_lm.load(str(smollm2_dir))[0]
+PARITY_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]
 
 
-@pytest.mark.parametrize("question", [
-    "What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
-])
-def test_greedy_parity_with_mlx_lm(smollm2, ref_model, question):
-    """mlx-lm on the imported directory (its own dtype, its own loop) yields the same 32 tokens."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
+@pytest.mark.parametrize("question", PARITY_PROMPTS)
+def test_greedy_parity_with_mlx_lm(smollm2, mlx_lm_greedy, question):
+    """mlxinfer's engine as users run it (default kernels, its own loop) yields the same 32 tokens as mlx-lm's
+    loader and generation loop on the imported directory with MLX's built-in kernels."""
     import mlxinfer
 
     tokens = mlxinfer.chat_prompt(smollm2, [{"role": "user", "content": question}])
     params = mlxinfer.SamplingParams(temperature=0, max_tokens=32)
     ours = list(mlxinfer.stream_generate(smollm2, tokens, params, ignore_eos=True))[-1].stats.tokens
-    theirs = [t for t, _ in generate_step(mx.array(tokens), ref_model, max_tokens=32)]
-    assert ours == theirs
+    assert ours == mlx_lm_greedy(tokens)
