@@ -20,7 +20,10 @@
 
 namespace mlxinfer_cpu {
 
-// Row-major copy of a strided array (libmlx does not export its own copy helpers).
+// Row-major copy of a strided array (libmlx does not export its own copy helpers). The innermost dims that are
+// already contiguous in `a` go as one memcpy per run: a KV buffer sliced along its length (mlx-lm's BatchKVCache
+// filter drops leading padding that way) is a few thousand runs, not one call per element (~0.4 s a step for
+// SmolLM2's 30 layers at batch 7 element by element).
 mx::array row_contiguous_copy(const mx::array& a) {
   mx::array c(a.shape(), a.dtype(), nullptr, {});
   c.set_data(mx::allocator::malloc(c.nbytes()));
@@ -28,13 +31,23 @@ mx::array row_contiguous_copy(const mx::array& a) {
   const char* src = a.data<char>();
   char* dst = c.data<char>();
   const int nd = a.ndim();
-  std::vector<int> idx(nd, 0);
-  for (size_t i = 0; i < a.size(); ++i) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; ++d) off += idx[d] * a.strides()[d];
-    std::memcpy(dst + i * item, src + off * (int64_t)item, item);
-    for (int d = nd - 1; d >= 0; --d) {
+  if (a.size() == 0) return c;
+  // run: the product of the trailing dims whose strides are row-major (size-1 dims never break a run)
+  int inner = nd;
+  int64_t run = 1;
+  while (inner > 0 && (a.shape(inner - 1) == 1 || a.strides()[inner - 1] == run)) {
+    run *= a.shape(inner - 1);
+    --inner;
+  }
+  const size_t run_bytes = (size_t)run * item;
+  std::vector<int> idx(inner, 0);
+  int64_t off = 0;  // element offset of the current run in `a`
+  for (size_t done = 0; done < a.size(); done += run) {
+    std::memcpy(dst + done * item, src + off * (int64_t)item, run_bytes);
+    for (int d = inner - 1; d >= 0; --d) {  // the next outer index, keeping the offset incrementally
+      off += a.strides()[d];
       if (++idx[d] < a.shape(d)) break;
+      off -= (int64_t)idx[d] * a.strides()[d];
       idx[d] = 0;
     }
   }
