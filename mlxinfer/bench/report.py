@@ -91,6 +91,13 @@ def summary_table(records: list[dict], compact: bool = False) -> tuple[list[str]
     return columns, rows
 
 
+def _int8_clause(detail: str) -> str:
+    """" (decode and prefill at int8)" and the like: where the kernel report says activations were rounded to int8
+    (numbers at llama.cpp's precision, not the built-ins')."""
+    parts = [part for part in ("decode", "prefill") if f"{part} at int8" in detail]
+    return f" ({' and '.join(parts)} at int8)" if parts else ""
+
+
 def provenance_lines(records: list[dict]) -> list[str]:
     """One line per distinct model, engine, machine: what the numbers were measured on."""
     lines, seen = [], set()
@@ -103,7 +110,7 @@ def provenance_lines(records: list[dict]) -> list[str]:
             f"engine {e['name']} {e['version']}"
             + (f" @ {e['git_commit'][:10]}{' (dirty)' if e.get('git_dirty') else ''}" if e.get("git_commit") else "")
             + f": mlx {e['mlx']}, mlx-lm {e['mlx_lm']}, backend {e['backend']}, kernels {e['kernels']}"
-            + (" (prefill at int8)" if "prefill at int8" in (e.get("kernels_detail") or "") else ""),
+            + _int8_clause(e.get("kernels_detail") or ""),
             f"hardware: {h['chip']}, {h['cpu_cores']} cores, {fmt_bytes(h['memory_bytes'])} memory, peak bandwidth "
             + (f"{h['bandwidth_gbps']:.1f} GB/s ({h['bandwidth_source']})" if h.get("bandwidth_gbps") else "unknown")
             + f"; {o['platform']}, Python {o['python']}",

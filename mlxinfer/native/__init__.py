@@ -159,10 +159,28 @@ def prefill_problem() -> Optional[str]:
             f"MLXINFER_PREFILL={' or '.join(PREFILL_MODES)}, or unset it")
 
 
+INT8_DECODE_SET = "avx2i8"  # the kernel set whose decode matvecs round x to int8 (MLXINFER_ISA=avx2i8)
+
+
+def int8_decode_active(module: Optional[ModuleType] = None) -> bool:
+    """Whether decode's 4-bit matvecs round x to int8 now: the avx2i8 set with its int8 path on (the load-time
+    self-check turns it off while it runs). Read by setting and restoring: the module has setters only."""
+    module = module if module is not None else _load()
+    if module is None or not module.isa().startswith(INT8_DECODE_SET) or not hasattr(module, "set_int8_decode"):
+        return False
+    was = module.set_int8_decode(True)
+    module.set_int8_decode(was)
+    return bool(was)
+
+
 def report_notes() -> list:
-    """Clauses for the kernel report: the prefill precision when it is int8, and a bad MLXINFER_PREFILL."""
+    """Clauses for the kernel report: the decode and prefill precision where it is int8, and a bad
+    MLXINFER_PREFILL."""
     module = _load()
     notes = []
+    if module is not None and int8_decode_active(module):
+        notes.append(f"decode at int8 ({INT8_DECODE_SET}: the 4-bit matvecs' x rounded per group, llama.cpp's grade; "
+                     "MLXINFER_ISA=avx2 for int16)")
     if module is not None and module.isa().endswith(INT8_PREFILL):
         notes.append(f"prefill at int8 ({module.isa()}: the 4-bit layers' x rounded per 32-block, llama.cpp's Q8_0 "
                      "grade; MLXINFER_PREFILL=float for float32)")

@@ -240,3 +240,8 @@ def test_provenance_says_when_prefill_ran_at_int8(records):
         r["engine"]["kernels_detail"] = "cpu-native on cpu: 4 quantized linear layers; prefill at int8 (avx2+int8-prefill)"
     engine_lines = [line for line in report.provenance_lines(rows) if line.startswith("engine ")]
     assert engine_lines and all(line.endswith(" (prefill at int8)") for line in engine_lines), engine_lines
+    for r in rows:
+        r["engine"]["kernels_detail"] = ("cpu-native on cpu: 4 quantized linear layers; decode at int8 (avx2i8: ...); "
+                                         "prefill at int8 (avx2i8+int8-prefill)")
+    engine_lines = [line for line in report.provenance_lines(rows) if line.startswith("engine ")]
+    assert engine_lines and all(line.endswith(" (decode and prefill at int8)") for line in engine_lines), engine_lines

@@ -119,3 +119,31 @@ def test_int8_decode_parity(native_ext):
     assert got_isa == kernel_set_name("avx2i8") and int(cases) > 1000
     # int8 x is not exact: a kernel that matched the float product to int16 precision would not be this one.
     assert 1e-4 < float(worst_exact) < 1.2e-2 and float(worst_int8) < 2e-6
+
+
+_REPORT = textwrap.dedent(
+    """
+    import mlxinfer
+    from mlxinfer import native
+    ext = native.extension()
+    on = native.int8_decode_active()
+    ext.set_int8_decode(False)
+    off = native.int8_decode_active()
+    ext.set_int8_decode(True)
+    loaded = mlxinfer.load("smollm2")
+    print(on, off, native.int8_decode_active(), "decode at int8 (avx2i8" in loaded.kernels_detail)
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["avx2i8", "avx2"])
+def test_the_kernel_report_says_when_decode_ran_at_int8(native_ext, smollm2_dir, isa):
+    """MLXINFER_ISA=avx2i8 rounds decode's x to int8: the kernel report (chat header, bench provenance) says so,
+    and the state is read without changing it; the default set says nothing."""
+    if isa not in isa_variants(native_ext.isa()):
+        pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run {isa}")
+    env = {**os.environ, "MLXINFER_ISA": isa}
+    proc = subprocess.run([sys.executable, "-c", _REPORT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = "True False True True" if isa == "avx2i8" else "False False False False"
+    assert proc.stdout.split() == want.split(), proc.stdout
