@@ -59,9 +59,11 @@ def smollm2(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def mlx_lm_greedy(smollm2_dir):
-    """``reference(prompt_tokens) -> 32 tokens``: mlx-lm's own loader and ``generate_step`` on the imported
-    directory with MLX's built-in kernels, greedy, EOS ignored. Memoised for the run: the built-ins decode the
-    bundled model at ~7 tok/s on this CPU, and the golden and native-parity tests ask for the same prompts."""
+    """``reference(prompt_tokens, device=None) -> 32 tokens``: mlx-lm's own loader and ``generate_step`` on the
+    imported directory with MLX's built-in kernels, greedy, EOS ignored, on ``device`` (default: MLX's default
+    device, where the engine under test runs too; the native-parity test asks for the CPU). Memoised for the run:
+    the built-ins decode the bundled model at ~7 tok/s on this CPU, and the golden and native-parity tests ask for
+    the same prompts (on a CPU-only MLX both on the CPU)."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import generate_step
@@ -69,10 +71,11 @@ def mlx_lm_greedy(smollm2_dir):
     model = mlx_lm.load(str(smollm2_dir))[0]
     memo: dict[tuple, list[int]] = {}
 
-    def reference(prompt_tokens: list[int], n: int = 32) -> list[int]:
-        key = (tuple(prompt_tokens), n)
+    def reference(prompt_tokens: list[int], n: int = 32, device=None) -> list[int]:
+        device = device if device is not None else mx.default_device()
+        key = (tuple(prompt_tokens), n, str(device))
         if key not in memo:
-            with mx.stream(mx.cpu):
+            with mx.stream(device):
                 steps = generate_step(mx.array(prompt_tokens), model, max_tokens=n,
                                       sampler=lambda lg: mx.argmax(lg, axis=-1))
                 memo[key] = [int(t) for t, _ in steps]
