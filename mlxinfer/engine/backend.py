@@ -47,3 +47,17 @@ def hardware_label() -> str:
     except OSError:
         pass
     return cpu
+
+
+def release_thread_state() -> None:
+    """Call last in a thread (not the main one) that ran MLX work, while Python still runs it.
+
+    MLX keeps per-thread state: the PRNG key, streams' command encoders, the compile cache. Their C++ destructors
+    run when the OS thread exits, after ``Thread.join`` has already returned, and the key's takes the GIL to drop
+    a Python list. If the interpreter is finalizing by then, CPython ends the thread inside that destructor and the
+    process aborts ("terminate called without an active exception"). ``mx.clear_streams()`` frees all of it here,
+    with the GIL held, so the exit has nothing left that needs Python.
+    """
+    import mlx.core as mx
+
+    mx.clear_streams()

@@ -40,6 +40,7 @@ import time
 from collections import deque
 from typing import Any
 
+from ..engine.backend import release_thread_state
 from ..engine.sampling import repair_random_state
 from .prefix_cache import PrefixCache
 from .schemas import ApiError
@@ -75,7 +76,7 @@ class Engine:
         self._stopping = False
         self._peak = 0
         self.draining = False
-        self._thread = threading.Thread(target=self._run, name="mlxinfer-engine", daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, name="mlxinfer-engine", daemon=True)
 
     # ---- the HTTP side ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,6 +109,12 @@ class Engine:
             self._thread.join(timeout)
 
     # ---- the engine thread --------------------------------------------------------------------------------
+    def _thread_main(self) -> None:
+        try:
+            self._run()
+        finally:
+            release_thread_state()  # else the thread's exit can abort a process that is already finalizing
+
     def _run(self) -> None:
         while True:
             with self._cond:
