@@ -197,14 +197,16 @@ static void micro(const uint8_t* wp, const float* sp, const float* bp, const int
   }
 }
 
-template <int CPG>
+// VNNI: the micro-kernel is qmm_vnni.cpp's (AVX-512 VNNI, same layouts and results), called once per micro-tile.
+template <int CPG, bool VNNI = false>
 static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scratch) {
   const int K = a.K, gs = a.group_size, ng = K / gs, nblk = K / 32;
   const int nrows = n1 - n0, npan = (nrows + NP - 1) / NP;
   uint8_t* wbuf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
   float* sbuf = reinterpret_cast<float*>(wbuf + (size_t)kPanels * kPanelBytes);
   float* bbuf = sbuf + (size_t)kPanels * (kKc / 32) * NP;
-  alignas(32) float tile[MR * NP];
+  alignas(64) float tile[MR * NP];
+  const I8MicroFn vnni_micro = VNNI ? vnni_i8_micro(CPG) : nullptr;
   const int ncalls = x.mpad / MR * npan;
   for (int k0 = 0; k0 < K; k0 += kKc) {
     const int kc = std::min(kKc, K - k0);
@@ -217,7 +219,7 @@ static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scr
       const int mcount = std::min(MR, a.M - m0);
       for (int p = 0; p < npan; ++p, ++call) {
         if (nlines) prefetch_block(a, n0, kn, kcn, nlines * call / ncalls, nlines * (call + 1) / ncalls);
-        micro<CPG>(wbuf + (size_t)p * kPanelBytes, sbuf + (size_t)p * (kKc / 32) * NP,
+        (VNNI ? vnni_micro : micro<CPG>)(wbuf + (size_t)p * kPanelBytes, sbuf + (size_t)p * (kKc / 32) * NP,
                    bbuf + (size_t)p * (kKc / 32) * NP, x.q + (size_t)m0 * K + k0, K, x.d + (size_t)m0 * nblk + k0 / 32,
                    nblk, x.sum + (size_t)m0 * ng + k0 / gs, x.corr + (size_t)m0 * ng + k0 / gs, ng, kc / 32, tile);
         const int nc = std::min(NP, nrows - p * NP);
@@ -237,11 +239,12 @@ static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scr
   }
 }
 
+template <bool VNNI>
 static void qmm(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scratch) {
   switch (a.group_size) {
-    case 32: return qmm_rows<1>(a, x, n0, n1, scratch);
-    case 64: return qmm_rows<2>(a, x, n0, n1, scratch);
-    default: return qmm_rows<4>(a, x, n0, n1, scratch);
+    case 32: return qmm_rows<1, VNNI>(a, x, n0, n1, scratch);
+    case 64: return qmm_rows<2, VNNI>(a, x, n0, n1, scratch);
+    default: return qmm_rows<4, VNNI>(a, x, n0, n1, scratch);
   }
 }
 
@@ -318,8 +321,10 @@ KernelSet with_int8_prefill(KernelSet ks) {
   const char* env = std::getenv("MLXINFER_PREFILL");
   if (env && std::strcmp(env, "float") == 0) return ks;
   // The name carries the choice: kernel reports and bench provenance must say that prefill rounds x to int8.
-  ks.isa = std::strcmp(ks.isa, "avx2i8") == 0 ? "avx2i8+int8-prefill" : "avx2+int8-prefill";
-  ks.qmm_i8 = isa_avx2i8gemm::qmm;
+  const bool vnni = std::strcmp(ks.isa, "avx512vnni") == 0;  // the same GEMM with vpdpbusd micro-tiles
+  ks.isa = vnni ? "avx512vnni+int8-prefill"
+                : std::strcmp(ks.isa, "avx2i8") == 0 ? "avx2i8+int8-prefill" : "avx2+int8-prefill";
+  ks.qmm_i8 = vnni ? isa_avx2i8gemm::qmm<true> : isa_avx2i8gemm::qmm<false>;
   ks.prep_x8_gemm = isa_avx2i8gemm::prep_x8;
   return ks;
 }

@@ -91,7 +91,14 @@ KernelSet avx2int_kernels();  // isa "avx2": int16 x decode (qmm_avx2int.cpp), f
 KernelSet avx2i8_kernels();   // isa "avx2i8": int8 x decode for 4-bit weights (qmm_avx2i8.cpp), else avx2's
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
-KernelSet with_int8_prefill(KernelSet ks);  // + the AVX2 int8 prefill (default; MLXINFER_PREFILL=float: none)
+KernelSet with_int8_prefill(KernelSet ks);  // + the int8 prefill (default; MLXINFER_PREFILL=float: none)
+// The int8 prefill's micro-kernel on AVX-512 VNNI (qmm_vnni.cpp): tile[kI8RowBlock][16] += 4 x rows times one
+// 16-column panel over one k-block, the layouts and arithmetic of qmm_avx2i8gemm.cpp's micro (which documents them)
+// with one vpdpbusd per 4 k of 16 columns; its integer sums and float steps are the same, so are its results.
+using I8MicroFn = void (*)(const uint8_t* wp, const float* sp, const float* bp, const int8_t* xq, size_t xq_stride,
+                           const float* xd, size_t xd_stride, const float* xs, const float* xc, size_t xs_stride,
+                           int nchunk, float* tile);
+I8MicroFn vnni_i8_micro(int chunks_per_group);  // 1, 2 or 4 (groups of 32, 64, 128)
 #elif defined(__aarch64__)
 KernelSet neon_kernels();
 #endif

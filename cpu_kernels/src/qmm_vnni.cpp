@@ -9,7 +9,8 @@
 // The bias term uses the exact float32 xsum. Rounding x costs at most d/2 per element (1.5e-5 of the group's
 // largest |x|): results differ from the exact product by ~2-3e-5 of the output's scale (measured; float32
 // kernel ~1e-6), far below 4-bit weight error.
-// Prefill (M > 8) and attention keep the float32 AVX-512 kernels (compute-bound, already blocked).
+// Prefill (M > 8) of 4-bit weights: the int8 GEMM of qmm_avx2i8gemm.cpp with the micro-kernel at the end of this
+// file (vpdpbusd); 8-bit weights and attention keep the float32 AVX-512 kernels.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -262,6 +263,62 @@ static void prep_x16(const float* x, int M, int K, int gs, int bits, int kpad, i
 }
 
 }  // namespace isa_vnni
+
+// ---- The int8 prefill's micro-kernel (qmm_kernels.h: I8MicroFn; layouts in qmm_avx2i8gemm.cpp) ----------------
+// A chunk (32 k) of a 16-column panel is 8 quads of 64 bytes: quad e holds k = 4e..4e+3 of each column (one dword
+// per column), exactly vpdpbusd's operand: u8 weights x s8 x, 4 products per int32 lane. x's 4 bytes of quad e
+// are broadcast from memory. The int32 sums equal the AVX2 kernel's (both exact), and the float steps are the same
+// operations in the same order, so the two kernels' outputs are equal bit for bit.
+namespace isa_vnni {
+
+template <int CPG>
+static void i8_micro(const uint8_t* wp, const float* sp, const float* bp, const int8_t* xq, size_t xq_stride,
+                     const float* xd, size_t xd_stride, const float* xs, const float* xc, size_t xs_stride, int nchunk,
+                     float* tile) {
+  constexpr int MR = kI8RowBlock, NP = 16;
+  static_assert(MR == 4, "written for 4 x rows");
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int c = 0; c < nchunk; ++c) {
+    const uint8_t* wc = wp + (size_t)c * 512;
+    const int8_t* x0 = xq + c * 32;
+    __m512i s[MR];
+    for (int m = 0; m < MR; ++m) s[m] = _mm512_setzero_si512();
+    for (int e = 0; e < 8; ++e) {
+      const __m512i w = _mm512_load_si512(reinterpret_cast<const void*>(wc + e * 64));
+      for (int m = 0; m < MR; ++m) {
+        int32_t v;
+        std::memcpy(&v, x0 + m * xq_stride + 4 * e, 4);
+        s[m] = _mm512_dpbusd_epi32(s[m], w, _mm512_set1_epi32(v));
+      }
+    }
+    const int g = c / CPG;
+    const __m512 sv = _mm512_loadu_ps(sp + g * NP);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 dv = _mm512_set1_ps(xd[m * xd_stride + c]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), _mm512_mul_ps(sv, dv), acc[m]);
+    }
+    if (c % CPG == CPG - 1) {  // end of a group: the bias and centring terms
+      const __m512 bv = _mm512_loadu_ps(bp + g * NP);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xsv = _mm512_set1_ps(xs[m * xs_stride + g]);
+        const __m512 xcv = _mm512_set1_ps(xc[m * xs_stride + g]);
+        acc[m] = _mm512_fmadd_ps(sv, xcv, _mm512_fmadd_ps(bv, xsv, acc[m]));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(tile + m * NP, acc[m]);
+}
+
+}  // namespace isa_vnni
+
+I8MicroFn vnni_i8_micro(int chunks_per_group) {
+  switch (chunks_per_group) {
+    case 1: return isa_vnni::i8_micro<1>;
+    case 2: return isa_vnni::i8_micro<2>;
+    default: return isa_vnni::i8_micro<4>;
+  }
+}
 
 KernelSet avx512vnni_kernels() {
   KernelSet ks = avx512_kernels();  // prefill tiles and their packing stay the float32 AVX-512 ones

@@ -13,8 +13,9 @@ a build is used only when its stamp matches the running MLX (and, in a source ch
 
 Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
 (default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
-forces a kernel variant (for tests). Where an AVX2 set runs, prefill (4-bit weights, more than 8 rows) rounds x to
-int8 per 32-element block (llama.cpp's Q8_0 grade, 1.6-3x its prefill; the set's name ends in ``+int8-prefill``);
+forces a kernel variant (for tests). Where an AVX2 integer or AVX-512 VNNI set runs, prefill (4-bit weights, more
+than 8 rows) rounds x to int8 per 32-element block (llama.cpp's Q8_0 grade, 1.6-3x its prefill; VNNI: the same
+products with vpdpbusd, 1.6x the AVX2 GEMM; the set's name ends in ``+int8-prefill``);
 ``MLXINFER_PREFILL=float`` keeps the float32 tiles (the built-ins' accuracy). ``prefill_problem()`` is the one line
 for any other value, which the kernels ignore.
 """

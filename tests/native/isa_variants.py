@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 
+INT8_PREFILL_SETS = ("avx2", "avx2i8", "avx512vnni")  # the sets with the int8 prefill GEMM (MLXINFER_PREFILL=float: off)
+
+
 def isa_variants(current: str) -> list:
     """The variants a CPU whose best is ``current`` can run (each CPU that runs one runs those before it)."""
     current = current.split("+")[0]  # "avx2+int8-prefill" (MLXINFER_PREFILL=int8) runs what "avx2" runs
@@ -15,8 +18,8 @@ def isa_variants(current: str) -> list:
 
 
 def kernel_set_name(isa: str, env=None) -> str:
-    """The name a process forced to ``isa`` reports: the AVX2 integer sets prefill at int8 by default (the name
-    says so) unless MLXINFER_PREFILL=float."""
+    """The name a process forced to ``isa`` reports: the AVX2 integer and AVX-512 VNNI sets prefill at int8 by
+    default (the name says so) unless MLXINFER_PREFILL=float."""
     env = os.environ if env is None else env
-    int8 = isa in ("avx2", "avx2i8") and env.get("MLXINFER_PREFILL") != "float"
+    int8 = isa in INT8_PREFILL_SETS and env.get("MLXINFER_PREFILL") != "float"
     return isa + ("+int8-prefill" if int8 else "")

@@ -1,6 +1,8 @@
-"""The AVX2 int8 prefill GEMM (the default on the avx2/avx2i8 sets, MLXINFER_PREFILL=float opts out: x rounded to
-int8 per 32-element block, vpmaddubsw on 4-bit weights), in its own process (the kernel set is chosen once per
-process), its run-time switch (set_int8_prefill) and the line for an MLXINFER_PREFILL value it does not know.
+"""The int8 prefill GEMM (the default on the avx2/avx2i8 sets with vpmaddubsw and on avx512vnni with vpdpbusd,
+MLXINFER_PREFILL=float opts out: x rounded to int8 per 32-element block, 4-bit weights kept as integers), in its own
+process (the kernel set is chosen once per process), its run-time switch (set_int8_prefill) and the line for an
+MLXINFER_PREFILL value it does not know. The two micro-kernels compute the same integer sums and the same float
+steps: their outputs must be equal bit for bit.
 
 Rounding x to int8 costs ~0.5% of an output's scale (llama.cpp's Q8_0 grade), so the kernel is held to two
 references: the exact product (loosely: up to 3% of the largest output for a short K next to an outlier) and an int8-aware float64 reference that
@@ -93,21 +95,63 @@ def _env(prefill, isa="avx2"):
     return {k: v for k, v in env.items() if v is not None}
 
 
-def _skip_unless_avx2(native_ext):
-    if "avx2" not in isa_variants(native_ext.isa()):
-        pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run avx2")
+def _skip_unless_avx2(native_ext, isa="avx2"):
+    if isa not in isa_variants(native_ext.isa()):
+        pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run {isa}")
 
 
-def test_int8_prefill_parity(native_ext):
-    _skip_unless_avx2(native_ext)
-    proc = subprocess.run([sys.executable, "-c", _PARITY], env=_env(None), capture_output=True, text=True,
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+def test_int8_prefill_parity(native_ext, isa):
+    _skip_unless_avx2(native_ext, isa)
+    proc = subprocess.run([sys.executable, "-c", _PARITY], env=_env(None, isa), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
-    isa, cases, exact, i8 = proc.stdout.split()
-    assert isa == "avx2+int8-prefill" and int(cases) == 3 * 3 * 4 * 5 * 3
+    got, cases, exact, i8 = proc.stdout.split()
+    assert got == f"{isa}+int8-prefill" and int(cases) == 3 * 3 * 4 * 5 * 3
     # The int8 rounding is visible against the exact product (the path really ran: up to ~3% of the largest
     # output for K = 32 next to a 13x outlier) and matches its own contract to float32 accuracy.
     assert 1e-3 < float(exact) < 1e-1 and float(i8) < 1e-5
+
+
+_OUTPUTS = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import mlx.core as mx
+    from mlxinfer import native
+    ext = native.extension()
+    mx.random.seed(5)
+    outs = []
+    for gs in (32, 64, 128):
+        for sdt in (mx.float16, mx.bfloat16, mx.float32):
+            for K, N, M in ((640, 97, 33), (1152, 50, 9), (gs, 17, 13), (768, 300, 70)):
+                q, s, b = mx.quantize(mx.random.normal((N, K)), group_size=gs, bits=4)
+                x = mx.random.normal((M, K)) * 3
+                x[0, 7] = 50.0
+                out = ext.quantized_matmul(x, q, s.astype(sdt), b.astype(sdt), group_size=gs, bits=4)
+                outs.append(np.asarray(out).ravel())
+    np.save(sys.argv[1], np.concatenate(outs))
+    print(ext.isa())
+    """
+)
+
+
+def test_vnni_and_avx2_int8_prefill_are_equal_bit_for_bit(native_ext, tmp_path):
+    """vpdpbusd (avx512vnni) and vpmaddubsw (avx2) micro-tiles sum the same integers exactly and scale them with the
+    same float operations: every output equal, over groups 32/64/128, three scale dtypes, several k-blocks and M
+    not a multiple of the 4-row tile."""
+    _skip_unless_avx2(native_ext, "avx512vnni")
+    import numpy as np
+
+    got = {}
+    for isa in ("avx2", "avx512vnni"):
+        path = tmp_path / f"{isa}.npy"
+        proc = subprocess.run([sys.executable, "-c", _OUTPUTS, str(path)], env=_env(None, isa), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip() == f"{isa}+int8-prefill"
+        got[isa] = np.load(path)
+    assert got["avx2"].size > 100_000 and np.array_equal(got["avx2"], got["avx512vnni"])
 
 
 def test_float_prefill_is_unchanged(native_ext):
@@ -137,12 +181,14 @@ _NAME = "from mlxinfer import native; print(native.extension().isa(), native.pre
 @pytest.mark.parametrize("isa,prefill,name", [
     ("avx2", None, "avx2+int8-prefill"), ("avx2", "int8", "avx2+int8-prefill"), ("avx2", "float", "avx2"),
     ("avx2i8", None, "avx2i8+int8-prefill"), ("avx2i8", "float", "avx2i8"), ("avx2float", None, "avx2float"),
-    ("avx2", "Float", "avx2+int8-prefill"),
+    ("avx2", "Float", "avx2+int8-prefill"), ("avx512vnni", None, "avx512vnni+int8-prefill"),
+    ("avx512vnni", "float", "avx512vnni"), ("avx512", None, "avx512"),
 ])
 def test_the_kernel_set_name_says_int8_prefill(native_ext, isa, prefill, name):
-    """Default on the AVX2 integer sets, off with MLXINFER_PREFILL=float, never on avx2float; the name (kernel
+    """Default on the AVX2 integer and AVX-512 VNNI sets, off with MLXINFER_PREFILL=float, never on avx2float or
+    avx512 (no VNNI: its float32 tiles); the name (kernel
     report, bench provenance) carries the choice. An unknown value is ignored by the kernels and named in one line."""
-    _skip_unless_avx2(native_ext)
+    _skip_unless_avx2(native_ext, isa)
     proc = subprocess.run([sys.executable, "-c", _NAME], env=_env(prefill, isa), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
