@@ -71,8 +71,11 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "avx2i8 only: round decode x to int8 (True, default) or int16 (False, the avx2 set's precision). Returns "
         "the previous setting.");
   m.def("set_int8_prefill", &mlxinfer_cpu::set_int8_prefill, "on"_a,
-        "Sets with the int8 prefill GEMM (the name ends in +int8-prefill): round prefill x to int8 per 32-block "
-        "(True, default) or run the float32 tiles (False). Returns the previous setting.");
+        "Sets with the int8 prefill GEMM (avx2, avx2i8, avx512vnni): round prefill x to int8 per 32-block (True; "
+        "the start under MLXINFER_PREFILL=int8, whose set name ends in +int8-prefill) or run the precise path "
+        "(False, the default: the int16 GEMM on avx512vnni, else the float32 tiles). Returns the previous setting.");
+  m.def("has_int8_prefill", [] { return mlxinfer_cpu::select_kernels().qmm_i8 != nullptr; },
+        "Whether this kernel set has the int8 prefill GEMM (set_int8_prefill(True) uses it).");
   m.def("isa", [] { return std::string(mlxinfer_cpu::select_kernels().isa); });
   // The MLX headers this module was compiled against; the C++ ABI is tied to that exact version.
   m.attr("mlx_version") = MLXINFER_STR(MLX_VERSION_MAJOR) "." MLXINFER_STR(MLX_VERSION_MINOR) "." MLXINFER_STR(MLX_VERSION_PATCH);

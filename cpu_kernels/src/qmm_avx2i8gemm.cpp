@@ -161,9 +161,10 @@ static inline void chunk_dot(const uint8_t* wc, const int8_t* x, size_t stride, 
 // tile[MR][NP] += x rows [m0, m0 + MR) times one panel over one k-block (from chunk 0 of wp, group 0 of sp/bp).
 // xq/xd/xs/xc point at row m0's first k / block / group of this k-block; strides in elements.
 template <int CPG>
-static void micro(const uint8_t* wp, const float* sp, const float* bp, const int8_t* xq, size_t xq_stride,
+static void micro(const uint8_t* wp, const float* sp, const float* bp, const void* xq_, size_t xq_stride,
                   const float* xd, size_t xd_stride, const float* xs, const float* xc, size_t xs_stride, int nchunk,
                   float* tile) {
+  const int8_t* xq = static_cast<const int8_t*>(xq_);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -197,8 +198,11 @@ static void micro(const uint8_t* wp, const float* sp, const float* bp, const int
   }
 }
 
-// VNNI: the micro-kernel is qmm_vnni.cpp's (AVX-512 VNNI, same layouts and results), called once per micro-tile.
-template <int CPG, bool VNNI = false>
+// Which micro-kernel runs the tiles: this file's (int8 x), or qmm_vnni.cpp's (AVX-512 VNNI: int8 x with the same
+// results, or int16 x), called once per micro-tile.
+enum class Micro { avx2_i8, vnni_i8, vnni_i16 };
+
+template <int CPG, Micro MK>
 static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scratch) {
   const int K = a.K, gs = a.group_size, ng = K / gs, nblk = K / 32;
   const int nrows = n1 - n0, npan = (nrows + NP - 1) / NP;
@@ -206,7 +210,11 @@ static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scr
   float* sbuf = reinterpret_cast<float*>(wbuf + (size_t)kPanels * kPanelBytes);
   float* bbuf = sbuf + (size_t)kPanels * (kKc / 32) * NP;
   alignas(64) float tile[MR * NP];
-  const I8MicroFn vnni_micro = VNNI ? vnni_i8_micro(CPG) : nullptr;
+  const I8MicroFn vnni_micro = MK == Micro::vnni_i8 ? vnni_i8_micro(CPG) : MK == Micro::vnni_i16 ? vnni_i16_micro(CPG)
+                                                                                               : nullptr;
+  const size_t xbytes = MK == Micro::vnni_i16 ? 2 : 1;  // x element size: int16 or int8, same layout
+  const uint8_t* xbase = MK == Micro::vnni_i16 ? reinterpret_cast<const uint8_t*>(x.q16)
+                                               : reinterpret_cast<const uint8_t*>(x.q);
   const int ncalls = x.mpad / MR * npan;
   for (int k0 = 0; k0 < K; k0 += kKc) {
     const int kc = std::min(kKc, K - k0);
@@ -219,8 +227,9 @@ static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scr
       const int mcount = std::min(MR, a.M - m0);
       for (int p = 0; p < npan; ++p, ++call) {
         if (nlines) prefetch_block(a, n0, kn, kcn, nlines * call / ncalls, nlines * (call + 1) / ncalls);
-        (VNNI ? vnni_micro : micro<CPG>)(wbuf + (size_t)p * kPanelBytes, sbuf + (size_t)p * (kKc / 32) * NP,
-                   bbuf + (size_t)p * (kKc / 32) * NP, x.q + (size_t)m0 * K + k0, K, x.d + (size_t)m0 * nblk + k0 / 32,
+        (MK != Micro::avx2_i8 ? vnni_micro : micro<CPG>)(wbuf + (size_t)p * kPanelBytes,
+                   sbuf + (size_t)p * (kKc / 32) * NP, bbuf + (size_t)p * (kKc / 32) * NP,
+                   xbase + ((size_t)m0 * K + k0) * xbytes, K, x.d + (size_t)m0 * nblk + k0 / 32,
                    nblk, x.sum + (size_t)m0 * ng + k0 / gs, x.corr + (size_t)m0 * ng + k0 / gs, ng, kc / 32, tile);
         const int nc = std::min(NP, nrows - p * NP);
         for (int m = 0; m < mcount; ++m) {
@@ -239,12 +248,12 @@ static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scr
   }
 }
 
-template <bool VNNI>
+template <Micro MK>
 static void qmm(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scratch) {
   switch (a.group_size) {
-    case 32: return qmm_rows<1, VNNI>(a, x, n0, n1, scratch);
-    case 64: return qmm_rows<2, VNNI>(a, x, n0, n1, scratch);
-    default: return qmm_rows<4, VNNI>(a, x, n0, n1, scratch);
+    case 32: return qmm_rows<1, MK>(a, x, n0, n1, scratch);
+    case 64: return qmm_rows<2, MK>(a, x, n0, n1, scratch);
+    default: return qmm_rows<4, MK>(a, x, n0, n1, scratch);
   }
 }
 
@@ -261,7 +270,10 @@ static inline float hsum(__m256 v) {
 }
 
 // x (M, K) float32 -> XInt8 buffers (rows past M are zero; the caller sizes them for mpad rows).
-static void prep_x8(const float* x, int M, int K, int gs, int mpad, int8_t* q, float* d, float* sum, float* corr) {
+template <typename Q>
+static void prep_x(const float* x, int M, int K, int gs, int mpad, Q* q, float* d, float* sum, float* corr) {
+  constexpr bool wide = sizeof(Q) == 2;
+  constexpr float qmax = wide ? 32767.f : 127.f;
   const int nblk = K / 32, ng = K / gs, cpg = gs / 32;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -273,7 +285,7 @@ static void prep_x8(const float* x, int M, int K, int gs, int mpad, int8_t* q, f
       for (int cc = 0; cc < cpg; ++cc) {
         const int c = g * cpg + cc;
         const float* xc = x + (size_t)m * K + c * 32;
-        int8_t* qc = q + (size_t)m * K + c * 32;
+        Q* qc = q + (size_t)m * K + c * 32;
         __m256 v[4], vmax = _mm256_setzero_ps();
         for (int i = 0; i < 4; ++i) {
           v[i] = _mm256_loadu_ps(xc + 8 * i);
@@ -284,26 +296,33 @@ static void prep_x8(const float* x, int M, int K, int gs, int mpad, int8_t* q, f
         float& dc = d[(size_t)m * nblk + c];
         if (!(amax > 0.f) || !std::isfinite(amax)) {  // all zero: nothing to add; inf/nan: let d carry it
           dc = amax > 0.f ? amax : (amax == amax ? 0.f : amax);
-          std::memset(qc, 0, 32);
+          std::memset(qc, 0, 32 * sizeof(Q));
           continue;
         }
-        dc = amax / 127.f;
-        const __m256 inv = _mm256_set1_ps(127.f / amax);
+        dc = amax / qmax;
+        const __m256 inv = _mm256_set1_ps(qmax / amax);
         __m256i qi[4];
         for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest even
         const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-        const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-        // k order [0, 2, ..., 30, 1, 3, ..., 31], as the 4-bit weights' low then high nibbles.
-        const __m256i nat = _mm256_permutevar8x32_epi32(p8, order);
-        const __m256i eo = _mm256_shuffle_epi8(nat, evens_odds);  // per lane: even bytes, then odd bytes
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qc), _mm256_permute4x64_epi64(eo, 0xD8));
+        if constexpr (wide) {
+          // k order [0, 2, ..., 30, 1, 3, ..., 31], as the 4-bit weights' low then high nibbles.
+          alignas(32) int32_t t[32];
+          for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(t + 8 * i), qi[i]);
+          for (int p = 0; p < 32; ++p) qc[p] = static_cast<Q>(t[p < 16 ? 2 * p : 2 * (p - 16) + 1]);
+        } else {
+          const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+          // k order [0, 2, ..., 30, 1, 3, ..., 31], as the 4-bit weights' low then high nibbles.
+          const __m256i nat = _mm256_permutevar8x32_epi32(p8, order);
+          const __m256i eo = _mm256_shuffle_epi8(nat, evens_odds);  // per lane: even bytes, then odd bytes
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qc), _mm256_permute4x64_epi64(eo, 0xD8));
+        }
         dsum += dc * hsum(_mm256_cvtepi32_ps(s4));
       }
       sum[(size_t)m * ng + g] = gsum;
       corr[(size_t)m * ng + g] = 8.f * (gsum - dsum);
     }
   }
-  std::memset(q + (size_t)M * K, 0, (size_t)(mpad - M) * K);
+  std::memset(q + (size_t)M * K, 0, (size_t)(mpad - M) * K * sizeof(Q));
   std::fill(d + (size_t)M * nblk, d + (size_t)mpad * nblk, 0.f);
   std::fill(sum + (size_t)M * ng, sum + (size_t)mpad * ng, 0.f);
   std::fill(corr + (size_t)M * ng, corr + (size_t)mpad * ng, 0.f);
@@ -315,17 +334,21 @@ static_assert(kKc * 16 * ((kPackN + 15) / 16) + 2 * (kKc / 32) * 16 * ((kPackN +
                   (size_t)kPackN * kKc * 4,
               "the int8 prefill's unpacked weights fit the float kernels' scratch");
 
-KernelSet with_int8_prefill(KernelSet ks) {
-  // Default: 1.6-3x llama.cpp's prefill at its own accuracy class (Q8_0 x). Any other value than "float" keeps it;
-  // mlxinfer.native reports an unknown one.
+KernelSet with_integer_prefill(KernelSet ks) {
+  // Any value but "int8" or "float" keeps the default; mlxinfer.native reports an unknown one.
   const char* env = std::getenv("MLXINFER_PREFILL");
   if (env && std::strcmp(env, "float") == 0) return ks;
+  const bool vnni = std::strcmp(ks.isa, "avx512vnni") == 0;
+  ks.qmm_i8 = vnni ? isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i8> : isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::avx2_i8>;
+  ks.prep_x8_gemm = isa_avx2i8gemm::prep_x<int8_t>;
+  if (vnni) {  // the precise default: int16 x, same GEMM
+    ks.qmm_i16 = isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i16>;
+    ks.prep_x16_gemm = isa_avx2i8gemm::prep_x<int16_t>;
+  }
   // The name carries the choice: kernel reports and bench provenance must say that prefill rounds x to int8.
-  const bool vnni = std::strcmp(ks.isa, "avx512vnni") == 0;  // the same GEMM with vpdpbusd micro-tiles
-  ks.isa = vnni ? "avx512vnni+int8-prefill"
-                : std::strcmp(ks.isa, "avx2i8") == 0 ? "avx2i8+int8-prefill" : "avx2+int8-prefill";
-  ks.qmm_i8 = vnni ? isa_avx2i8gemm::qmm<true> : isa_avx2i8gemm::qmm<false>;
-  ks.prep_x8_gemm = isa_avx2i8gemm::prep_x8;
+  if (int8_prefill_requested())
+    ks.isa = vnni ? "avx512vnni+int8-prefill"
+                  : std::strcmp(ks.isa, "avx2i8") == 0 ? "avx2i8+int8-prefill" : "avx2+int8-prefill";
   return ks;
 }
 

@@ -89,11 +89,11 @@ const KernelSet& select_kernels() {
       ks.isa = "avx2float";
       return ks;
     }
-    if (want == "avx2" && has2) return with_int8_prefill(avx2int_kernels());
-    if (want == "avx2i8" && has2) return with_int8_prefill(avx2i8_kernels());
-    if ((want.empty() || want == "avx512vnni") && vnni) return with_int8_prefill(avx512vnni_kernels());
+    if (want == "avx2" && has2) return with_integer_prefill(avx2int_kernels());
+    if (want == "avx2i8" && has2) return with_integer_prefill(avx2i8_kernels());
+    if ((want.empty() || want == "avx512vnni") && vnni) return with_integer_prefill(avx512vnni_kernels());
     if ((want.empty() || want == "avx512") && has512) return avx512_kernels();
-    if (has2) return with_int8_prefill(avx2int_kernels());
+    if (has2) return with_integer_prefill(avx2int_kernels());
 #elif defined(__aarch64__)
     if (want != "generic") return neon_kernels();  // ASIMD is part of every arm64 CPU
 #endif

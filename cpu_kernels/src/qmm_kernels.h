@@ -54,11 +54,14 @@ using QmmFn = void (*)(const QmmArgs&, const float* xpack, int n0, int n1, float
 // each block's k ordered [0, 2, ..., 30, 1, 3, ..., 31] (the weights' low, then high nibbles);
 // d (mpad, K / 32); sum/corr (mpad, K / group): x's sum per group and the centring term (qmm_avx2i8gemm.cpp).
 // Rows past M are zero; mpad = M rounded up to kI8RowBlock. scratch as for QmmFn; out need not be zeroed.
+// KernelSet::qmm_i16 reads the same layout with x rounded to int16 (q16, d = max|x| / 32767; q unused): the
+// precise integer prefill (~1e-5 of an output's scale, as the int16 decode), where int8 costs ~0.5%.
 constexpr int kI8RowBlock = 4;
 struct XInt8 {
   const int8_t* q;
   const float *d, *sum, *corr;
   int mpad;
+  const int16_t* q16 = nullptr;
 };
 using QmmI8Fn = void (*)(const QmmArgs&, const XInt8& x, int n0, int n1, void* scratch);
 
@@ -82,6 +85,10 @@ struct KernelSet {
   QmmI8Fn qmm_i8 = nullptr;
   void (*prep_x8_gemm)(const float* x, int M, int K, int group_size, int mpad, int8_t* q, float* d, float* sum,
                   float* corr) = nullptr;
+  // Int16 prefill (the same GEMM with x rounded to int16: XInt8::q16) when set, and its x preparation.
+  QmmI8Fn qmm_i16 = nullptr;
+  void (*prep_x16_gemm)(const float* x, int M, int K, int group_size, int mpad, int16_t* q, float* d, float* sum,
+                        float* corr) = nullptr;
 };
 
 KernelSet generic_kernels();
@@ -91,14 +98,21 @@ KernelSet avx2int_kernels();  // isa "avx2": int16 x decode (qmm_avx2int.cpp), f
 KernelSet avx2i8_kernels();   // isa "avx2i8": int8 x decode for 4-bit weights (qmm_avx2i8.cpp), else avx2's
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
-KernelSet with_int8_prefill(KernelSet ks);  // + the int8 prefill (default; MLXINFER_PREFILL=float: none)
-// The int8 prefill's micro-kernel on AVX-512 VNNI (qmm_vnni.cpp): tile[kI8RowBlock][16] += 4 x rows times one
-// 16-column panel over one k-block, the layouts and arithmetic of qmm_avx2i8gemm.cpp's micro (which documents them)
-// with one vpdpbusd per 4 k of 16 columns; its integer sums and float steps are the same, so are its results.
-using I8MicroFn = void (*)(const uint8_t* wp, const float* sp, const float* bp, const int8_t* xq, size_t xq_stride,
+// + the integer prefill GEMMs: int8 on the AVX2 integer and VNNI sets (used when MLXINFER_PREFILL=int8 or
+// set_int8_prefill(true); the name then ends in "+int8-prefill"), int16 on VNNI (the default there).
+// MLXINFER_PREFILL=float: neither (float32 tiles).
+KernelSet with_integer_prefill(KernelSet ks);
+// The process' prefill setting from MLXINFER_PREFILL: true for "int8" (quantized.cpp's switch starts there).
+bool int8_prefill_requested();
+// The integer prefill's micro-kernels on AVX-512 VNNI (qmm_vnni.cpp): tile[kI8RowBlock][16] = 4 x rows times one
+// 16-column panel over one k-block, the layouts and arithmetic of qmm_avx2i8gemm.cpp's micro (which documents them).
+// int8 x: one vpdpbusd per 4 k of 16 columns; its integer sums and float steps are the AVX2 kernel's, so are its
+// results. int16 x (xq points at int16 elements): vpmovzxbw'd weights, vpdpwssd.
+using I8MicroFn = void (*)(const uint8_t* wp, const float* sp, const float* bp, const void* xq, size_t xq_stride,
                            const float* xd, size_t xd_stride, const float* xs, const float* xc, size_t xs_stride,
                            int nchunk, float* tile);
-I8MicroFn vnni_i8_micro(int chunks_per_group);  // 1, 2 or 4 (groups of 32, 64, 128)
+I8MicroFn vnni_i8_micro(int chunks_per_group);   // 1, 2 or 4 (groups of 32, 64, 128)
+I8MicroFn vnni_i16_micro(int chunks_per_group);  // the same for int16 x
 #elif defined(__aarch64__)
 KernelSet neon_kernels();
 #endif

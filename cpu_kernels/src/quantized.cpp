@@ -104,8 +104,9 @@ constexpr int64_t kTaskBytes = 256 * 1024;  // most packed weight bytes one deco
 
 // Off: KernelSet::int8_x sets prepare int16 x instead (the load-time self-check compares formulas, not rounding).
 std::atomic<bool> int8_decode{true};
-// Off: prefill runs the float32 tiles even where the set has the int8 GEMM (the self-check, float-parity tests).
-std::atomic<bool> int8_prefill{true};
+// On: prefill of 4-bit weights runs the set's int8 GEMM (MLXINFER_PREFILL=int8 starts it on); off: its precise path
+// (the int16 GEMM where the set has one, else the float32 tiles).
+std::atomic<bool> int8_prefill{int8_prefill_requested()};
 
 // Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
 inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
@@ -256,6 +257,11 @@ std::vector<RowTask> split_rows(const std::vector<QmmArgs>& args, int rows) {
 }  // namespace
 
 bool set_int8_decode(bool on) { return int8_decode.exchange(on, std::memory_order_relaxed); }
+bool int8_prefill_requested() {
+  const char* env = std::getenv("MLXINFER_PREFILL");
+  return env && std::strcmp(env, "int8") == 0;
+}
+
 bool set_int8_prefill(bool on) { return int8_prefill.exchange(on, std::memory_order_relaxed); }
 
 void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {
@@ -326,22 +332,30 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     pool.run(static_cast<int>(tasks.size()), [&](int t, int) {
       ks.qmv(args[tasks[t].w], tasks[t].n0, tasks[t].n1);
     });
-  } else if (bits == 4 && ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed)) {
-    // Int8 prefill: x rounded to int8 per 32-block once (layout in XInt8), weights unpacked per task. One MLX
-    // allocation, as for the packed float x below.
+  } else if (bits == 4 && ((ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed)) || ks.qmm_i16)) {
+    // Integer prefill: x rounded to int8 (or int16) per 32-block once (layout in XInt8), weights unpacked per
+    // task. One MLX allocation, as for the packed float x below.
+    const bool i8 = ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed);
     const int mpad = (M + kI8RowBlock - 1) / kI8RowBlock * kI8RowBlock;
-    const size_t nd = (size_t)mpad * (K / 32), ns = (size_t)mpad * ng, nq = ((size_t)mpad * K + 3) / 4;
+    const size_t nd = (size_t)mpad * (K / 32), ns = (size_t)mpad * ng, nq = ((size_t)mpad * K * (i8 ? 1 : 2) + 3) / 4;
     mx::array buf(mx::Shape{static_cast<int>(nd + 2 * ns + nq)}, mx::float32, nullptr, {});
     buf.set_data(mx::allocator::malloc(buf.nbytes()));
     float* d = buf.data<float>();
-    int8_t* q = reinterpret_cast<int8_t*>(d + nd + 2 * ns);
-    ks.prep_x8_gemm(xf, M, K, group_size, mpad, q, d, d + nd, d + nd + ns);
-    const XInt8 xi{q, d, d + nd, d + nd + ns, mpad};
+    void* q = d + nd + 2 * ns;
+    XInt8 xi{nullptr, d, d + nd, d + nd + ns, mpad};
+    if (i8) {
+      xi.q = static_cast<int8_t*>(q);
+      ks.prep_x8_gemm(xf, M, K, group_size, mpad, static_cast<int8_t*>(q), d, d + nd, d + nd + ns);
+    } else {
+      xi.q16 = static_cast<int16_t*>(q);
+      ks.prep_x16_gemm(xf, M, K, group_size, mpad, static_cast<int16_t*>(q), d, d + nd, d + nd + ns);
+    }
+    const QmmI8Fn gemm = i8 ? ks.qmm_i8 : ks.qmm_i16;
     scratch.resize((size_t)T * kPackN * kKc);
     float* scr = scratch.data();
     const std::vector<RowTask> tasks = split_rows(args, kPackN);
     pool.run(static_cast<int>(tasks.size()), [&](int t, int tid) {
-      ks.qmm_i8(args[tasks[t].w], xi, tasks[t].n0, tasks[t].n1, scr + (size_t)tid * kPackN * kKc);
+      gemm(args[tasks[t].w], xi, tasks[t].n0, tasks[t].n1, scr + (size_t)tid * kPackN * kKc);
     });
   } else {
     const int pm = ks.pack_m;

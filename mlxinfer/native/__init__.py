@@ -13,11 +13,12 @@ a build is used only when its stamp matches the running MLX (and, in a source ch
 
 Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
 (default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
-forces a kernel variant (for tests). Where an AVX2 integer or AVX-512 VNNI set runs, prefill (4-bit weights, more
-than 8 rows) rounds x to int8 per 32-element block (llama.cpp's Q8_0 grade, 1.6-3x its prefill; VNNI: the same
-products with vpdpbusd, 1.6x the AVX2 GEMM; the set's name ends in ``+int8-prefill``);
-``MLXINFER_PREFILL=float`` keeps the float32 tiles (the built-ins' accuracy). ``prefill_problem()`` is the one line
-for any other value, which the kernels ignore.
+forces a kernel variant (for tests). Prefill of 4-bit weights (more than 8 rows) runs an integer GEMM where the set
+has one: on AVX-512 VNNI x rounded to int16 per 32-element block by default (~1e-5 of an output's scale, 1.9x the
+float32 tiles); ``MLXINFER_PREFILL=int8`` rounds it to int8 on the AVX2 integer and VNNI sets (llama.cpp's Q8_0
+grade: faster, but it flips near-tied greedy tokens, e.g. the bundled model's answer to "What is the capital of
+France?"; the set's name then ends in ``+int8-prefill``); ``MLXINFER_PREFILL=float`` keeps the float32 tiles.
+``prefill_problem()`` is the one line for any other value, which the kernels ignore.
 """
 
 from __future__ import annotations
@@ -174,6 +175,17 @@ def int8_decode_active(module: Optional[ModuleType] = None) -> bool:
     return bool(was)
 
 
+def int8_prefill_active(module: Optional[ModuleType] = None) -> bool:
+    """Whether prefill's 4-bit GEMMs round x to int8 now: a set with the int8 GEMM and its switch on
+    (MLXINFER_PREFILL=int8 starts it so; ``set_int8_prefill``/``int8_activations`` change it at run time)."""
+    module = module if module is not None else _load()
+    if module is None or not getattr(module, "has_int8_prefill", lambda: False)():
+        return False
+    was = module.set_int8_prefill(True)
+    module.set_int8_prefill(was)
+    return bool(was)
+
+
 def report_notes() -> list:
     """Clauses for the kernel report: the decode and prefill precision where it is int8, and a bad
     MLXINFER_PREFILL."""
@@ -182,9 +194,9 @@ def report_notes() -> list:
     if module is not None and int8_decode_active(module):
         notes.append(f"decode at int8 ({INT8_DECODE_SET}: the 4-bit matvecs' x rounded per group, llama.cpp's grade; "
                      "MLXINFER_ISA=avx2 for int16)")
-    if module is not None and module.isa().endswith(INT8_PREFILL):
-        notes.append(f"prefill at int8 ({module.isa()}: the 4-bit layers' x rounded per 32-block, llama.cpp's Q8_0 "
-                     "grade; MLXINFER_PREFILL=float for float32)")
+    if module is not None and int8_prefill_active(module):
+        notes.append(f"prefill at int8 ({module.isa().split('+')[0]}: the 4-bit layers' x rounded per 32-block, "
+                     "llama.cpp's Q8_0 grade; unset MLXINFER_PREFILL for the precise path)")
     line = prefill_problem()
     if line:
         notes.append(f"warning: {line}")
@@ -195,7 +207,8 @@ def report_notes() -> list:
 def int8_activations(*, decode: Optional[bool] = None, prefill: Optional[bool] = None,
                      ext: Optional[ModuleType] = None) -> Iterator[None]:
     """The kernels' int8 activation paths on (True) or off (False) while inside, None leaving one as it is: decode
-    (the avx2i8 set's matvecs, int16 x when off) and prefill (the AVX2 int8 GEMM, float32 tiles when off). The
+    (the avx2i8 set's matvecs, int16 x when off) and prefill (the int8 GEMM; off: the precise path, int16 on
+    AVX-512 VNNI, else float32 tiles). The
     settings found are restored. ``ext``: the extension module (default: the loaded one). A build without such a
     path has nothing to switch (it already runs the precise one)."""
     ext = ext if ext is not None else extension()

@@ -10,7 +10,8 @@ global one), Llama 3's RoPE scaling, 32 query heads on 8 KV heads.
 
 Tolerances, as max |logit difference| / logit standard deviation (measured on this AVX2 CPU): float32 prefill
 activations 4.8e-5 to 5.7e-5 (rounding of the float16 KV cache and the int16 decode activations) -> ``FLOAT_TOL``;
-the default int8 prefill activations (llama.cpp's Q8_0 grade) 1.1e-2 to 1.2e-2, top-1 all equal -> ``INT8_TOL``. A changed formula moves logits by
+the opt-in int8 prefill activations (MLXINFER_PREFILL=int8, llama.cpp's Q8_0 grade) 1.1e-2 to 1.2e-2, top-1 all
+equal -> ``INT8_TOL``. A changed formula moves logits by
 a sizeable share of their spread and flips the top-1 token.
 """
 

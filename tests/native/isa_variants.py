@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 
-INT8_PREFILL_SETS = ("avx2", "avx2i8", "avx512vnni")  # the sets with the int8 prefill GEMM (MLXINFER_PREFILL=float: off)
+INT8_PREFILL_SETS = ("avx2", "avx2i8", "avx512vnni")  # the sets with the int8 prefill GEMM (opt-in: MLXINFER_PREFILL=int8)
 
 
 def isa_variants(current: str) -> list:
@@ -18,8 +18,8 @@ def isa_variants(current: str) -> list:
 
 
 def kernel_set_name(isa: str, env=None) -> str:
-    """The name a process forced to ``isa`` reports: the AVX2 integer and AVX-512 VNNI sets prefill at int8 by
-    default (the name says so) unless MLXINFER_PREFILL=float."""
+    """The name a process forced to ``isa`` reports: the sets with the int8 prefill GEMM start with it on under
+    MLXINFER_PREFILL=int8, and their name says so."""
     env = os.environ if env is None else env
-    int8 = isa in INT8_PREFILL_SETS and env.get("MLXINFER_PREFILL") != "float"
+    int8 = isa in INT8_PREFILL_SETS and env.get("MLXINFER_PREFILL") == "int8"
     return isa + ("+int8-prefill" if int8 else "")

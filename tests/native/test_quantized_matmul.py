@@ -29,8 +29,9 @@ INT8_TOL = 2e-2
 
 
 def _int8_prefill_modes(ext, M, bits) -> list:
-    """The settings of set_int8_prefill to check an M-row product under: both where the int8 GEMM would run."""
-    has = getattr(ext, "set_int8_prefill", None) is not None and ext.isa().endswith("+int8-prefill")
+    """The settings of set_int8_prefill to check an M-row product under: both where the int8 GEMM would run (the
+    precise path, int16 or float32, and int8)."""
+    has = getattr(ext, "has_int8_prefill", lambda: False)()
     return [False, True] if has and bits == 4 and M > 8 else [None]
 
 

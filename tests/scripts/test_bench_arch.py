@@ -63,9 +63,9 @@ def test_import_matches_the_reference_model(tmp_path, key, qtype):
     if native.extension() is None:
         pytest.skip(native.status())
     native_model = mlxinfer.load(str(path), kernels="custom").model
-    # float16 KV cache (as llama.cpp's) on the native path: within 1% of the logit spread. Prefill at float32 (the
-    # AVX2 int8 prefill off: its ~1-3% of a logit is bounded in tests/kernels/test_spec_layers.py), so that this
-    # checks the import.
+    # float16 KV cache (as llama.cpp's) on the native path: within 1% of the logit spread. Prefill on its precise
+    # path (the opt-in int8 prefill off even under MLXINFER_PREFILL=int8: its ~1-3% of a logit is bounded in
+    # tests/kernels/test_spec_layers.py), so that this checks the import.
     toggle = getattr(native.extension(), "set_int8_prefill", None)
     before = toggle(False) if toggle is not None else None
     try:
