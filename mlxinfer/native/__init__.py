@@ -148,7 +148,6 @@ def problem() -> Optional[str]:
 
 
 PREFILL_MODES = ("int8", "float")  # MLXINFER_PREFILL, as cpu_kernels/src/qmm_avx2i8gemm.cpp reads it
-INT8_PREFILL = "+int8-prefill"  # the suffix of a kernel set's name while its prefill rounds x to int8
 
 
 def prefill_problem() -> Optional[str]:
