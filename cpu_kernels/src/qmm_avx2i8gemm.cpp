@@ -308,7 +308,7 @@ static void prep_x(const float* x, int M, int K, int gs, int mpad, Q* q, float* 
           // k order [0, 2, ..., 30, 1, 3, ..., 31], as the 4-bit weights' low then high nibbles.
           alignas(32) int32_t t[32];
           for (int i = 0; i < 4; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(t + 8 * i), qi[i]);
-          for (int p = 0; p < 32; ++p) qc[p] = static_cast<Q>(t[p < 16 ? 2 * p : 2 * (p - 16) + 1]);
+          for (int p = 0; p < 32; ++p) qc[p] = static_cast<Q>(t[perm4(p)]);
         } else {
           const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
           // k order [0, 2, ..., 30, 1, 3, ..., 31], as the 4-bit weights' low then high nibbles.

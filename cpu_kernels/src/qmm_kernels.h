@@ -57,6 +57,8 @@ using QmmFn = void (*)(const QmmArgs&, const float* xpack, int n0, int n1, float
 // KernelSet::qmm_i16 reads the same layout with x rounded to int16 (q16, d = max|x| / 32767; q unused): the
 // precise integer prefill (~1e-5 of an output's scale, as the int16 decode), where int8 costs ~0.5%.
 constexpr int kI8RowBlock = 4;
+// Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk (the k order above).
+constexpr int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 struct XInt8 {
   const int8_t* q;
   const float *d, *sum, *corr;

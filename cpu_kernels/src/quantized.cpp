@@ -108,8 +108,6 @@ std::atomic<bool> int8_decode{true};
 // (the int16 GEMM where the set has one, else the float32 tiles).
 std::atomic<bool> int8_prefill{int8_prefill_requested()};
 
-// Position p of a 32-chunk as unpacked from 4-bit words holds element perm4(p) of the chunk.
-inline int perm4(int p) { return p < 16 ? 2 * p : 2 * (p - 16) + 1; }
 
 // x for the integer decode kernels, as type Q (layouts in QmmArgs): each weight group of each row is rounded with
 // its own scale d = max|x| / (32767 for int16, 127 for int8), so one outlier only coarsens its own group. prep
@@ -293,6 +291,8 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     a.out = ws[i].out;
   }
   const int T = pool.size();
+  // Read once: the branch below and the GEMM it picks must agree even if set_int8_prefill runs meanwhile.
+  const bool i8 = bits == 4 && ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed);
 
   if (M <= 8 && ks.int8_x && bits == 4 && int8_decode.load(std::memory_order_relaxed)) {
     prep_int8_x(ks, xf, M, K, group_size, args);
@@ -332,10 +332,9 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     pool.run(static_cast<int>(tasks.size()), [&](int t, int) {
       ks.qmv(args[tasks[t].w], tasks[t].n0, tasks[t].n1);
     });
-  } else if (bits == 4 && ((ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed)) || ks.qmm_i16)) {
+  } else if (i8 || (bits == 4 && ks.qmm_i16)) {
     // Integer prefill: x rounded to int8 (or int16) per 32-block once (layout in XInt8), weights unpacked per
     // task. One MLX allocation, as for the packed float x below.
-    const bool i8 = ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed);
     const int mpad = (M + kI8RowBlock - 1) / kI8RowBlock * kI8RowBlock;
     const size_t nd = (size_t)mpad * (K / 32), ns = (size_t)mpad * ng, nq = ((size_t)mpad * K * (i8 ? 1 : 2) + 3) / 4;
     mx::array buf(mx::Shape{static_cast<int>(nd + 2 * ns + nq)}, mx::float32, nullptr, {});

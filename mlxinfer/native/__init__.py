@@ -163,15 +163,20 @@ def prefill_problem() -> Optional[str]:
 INT8_DECODE_SET = "avx2i8"  # the kernel set whose decode matvecs round x to int8 (MLXINFER_ISA=avx2i8)
 
 
+def _switch_on(setter: Callable[[bool], bool]) -> bool:
+    """A kernel switch's current setting, read by setting and restoring it: the module has setters only."""
+    was = setter(True)
+    setter(was)
+    return bool(was)
+
+
 def int8_decode_active(module: Optional[ModuleType] = None) -> bool:
     """Whether decode's 4-bit matvecs round x to int8 now: the avx2i8 set with its int8 path on (the load-time
-    self-check turns it off while it runs). Read by setting and restoring: the module has setters only."""
+    self-check turns it off while it runs)."""
     module = module if module is not None else _load()
     if module is None or not module.isa().startswith(INT8_DECODE_SET) or not hasattr(module, "set_int8_decode"):
         return False
-    was = module.set_int8_decode(True)
-    module.set_int8_decode(was)
-    return bool(was)
+    return _switch_on(module.set_int8_decode)
 
 
 def int8_prefill_active(module: Optional[ModuleType] = None) -> bool:
@@ -180,9 +185,7 @@ def int8_prefill_active(module: Optional[ModuleType] = None) -> bool:
     module = module if module is not None else _load()
     if module is None or not getattr(module, "has_int8_prefill", lambda: False)():
         return False
-    was = module.set_int8_prefill(True)
-    module.set_int8_prefill(was)
-    return bool(was)
+    return _switch_on(module.set_int8_prefill)
 
 
 def report_notes() -> list:

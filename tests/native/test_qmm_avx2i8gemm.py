@@ -36,8 +36,8 @@ _PARITY = textwrap.dedent(
 
     wide = ext.isa() == "avx512vnni"  # its default prefill: int16 x
 
-    def int8_reference(x, q, s, b, gs):
-        # x ~= d * xq per 32-block, d = max|x| / 127, round half to even; q centred (q - 8) with the rest of the
+    def int8_reference(x, qn, sn, bn):
+        # x ~= d * xq per 32-block, d = max|x| / 127 (int16: 32767), round half to even; q centred (q - 8) with the rest of the
         # weight (b + 8 s) applied to the exact x: the kernel's arithmetic in float64.
         x = np.asarray(x, np.float64)
         M, K = x.shape
@@ -49,9 +49,6 @@ _PARITY = textwrap.dedent(
             inv = (top / amax.astype(np.float32)).astype(np.float32)
             xq = np.where(amax > 0, np.rint((xb.astype(np.float32) * inv).astype(np.float32)), 0.0)
         xr = (xq * d32).reshape(M, K)
-        qn = np.asarray(q, np.float64)
-        sn = np.repeat(np.asarray(s.astype(mx.float32), np.float64), gs, axis=1)
-        bn = np.repeat(np.asarray(b.astype(mx.float32), np.float64), gs, axis=1)
         return xr @ (sn * (qn - 8)).T + x @ (bn + 8 * sn).T
 
     def unpack4(w, N, K):
@@ -69,19 +66,19 @@ _PARITY = textwrap.dedent(
                     w = mx.random.normal((N, K))
                     q, s, b = mx.quantize(w, group_size=gs, bits=4)
                     s, b = s.astype(sdt), b.astype(sdt)
-                    qn = unpack4(q, N, K)
+                    qn = unpack4(q, N, K).astype(np.float64)
+                    # Weights in float64 (dequantize with float16 scales would round w to float16).
+                    sn = np.repeat(np.asarray(s.astype(mx.float32), np.float64), gs, axis=1)
+                    bn = np.repeat(np.asarray(b.astype(mx.float32), np.float64), gs, axis=1)
                     for M in (9, 13, 33):
                         x = mx.random.normal((M, K)) * 3.0
                         x[0, 5] = 40.0  # an outlier: only its own 32-block's d coarsens
                         x[M - 1, :32] = 0.0  # an all-zero block
                         out = ext.quantized_matmul(x, q, s, b, group_size=gs, bits=4)
-                        # The exact product in float64 (dequantize with float16 scales rounds w to float16).
-                        sn = np.repeat(np.asarray(s.astype(mx.float32), np.float64), gs, axis=1)
-                        bn = np.repeat(np.asarray(b.astype(mx.float32), np.float64), gs, axis=1)
                         exact = np.asarray(x, np.float64) @ (sn * qn + bn).T
                         scale = np.abs(exact).max()
                         err = np.abs(np.asarray(out, np.float64) - exact).max() / scale
-                        ref = int8_reference(x, qn, s, b, gs)
+                        ref = int8_reference(x, qn, sn, bn)
                         err8 = np.abs(np.asarray(out, np.float64) - ref).max() / scale
                         worst_exact, worst_i8 = max(worst_exact, err), max(worst_i8, err8)
                         cases += 1
