@@ -73,7 +73,7 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.def("set_int8_prefill", &mlxinfer_cpu::set_int8_prefill, "on"_a,
         "Sets with the int8 prefill GEMM (avx2, avx2i8, avx512vnni): round prefill x to int8 per 32-block (True; "
         "the start under MLXINFER_PREFILL=int8, whose set name ends in +int8-prefill) or run the precise path "
-        "(False, the default: the int16 GEMM on avx512vnni, else the float32 tiles). Returns the previous setting.");
+        "(False, the default: the int16 GEMM on these sets). Returns the previous setting.");
   m.def("has_int8_prefill", [] { return mlxinfer_cpu::select_kernels().qmm_i8 != nullptr; },
         "Whether this kernel set has the int8 prefill GEMM (set_int8_prefill(True) uses it).");
   m.def("isa", [] { return std::string(mlxinfer_cpu::select_kernels().isa); });

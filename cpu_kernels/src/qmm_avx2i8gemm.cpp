@@ -1,4 +1,6 @@
-// AVX2 int8 prefill GEMM for 4-bit weights (this file alone is compiled with -mavx2 -mfma -mf16c).
+// AVX2 integer prefill GEMMs for 4-bit weights (this file alone is compiled with -mavx2 -mfma -mf16c): x rounded to
+// int16 (the default of the avx2/avx2i8 sets, micro16 below) or, opt-in, to int8 (micro). Both share the tiling,
+// the repacked weight panels and the formula below, with 32767 in place of 127.
 //
 // Why: the float32 prefill kernel dequantizes every weight to float and spends one FMA per 8 multiply-adds;
 // llama.cpp's Q4_0 x Q8_0 path beats it with vpmaddubsw (32 u8 x s8 products, summed in pairs, per instruction).
@@ -51,15 +53,22 @@ static inline void load_scales(const void* base, ScaleType t, size_t off, int co
 
 // Unpacks rows [n0, n1) (n1 - n0 <= kPackN), k in [k0, k0 + kc), into panels of NP columns:
 // wdst[panel][chunk][quad 0..7][half 0..1][col 0..7][4 bytes]; sdst/bdst[panel][group][NP] (zero past n1).
+// WIDE (the AVX2 int16 micro-kernel): int16 weights, each quad as [half][pair 0..1][col 0..7][2 k]: pair 0 holds
+// (k0, k1) and pair 1 (k2, k3) of 8 columns, so vpmaddwd against x's broadcast pair sums one column per lane.
+template <bool WIDE>
 static void repack(const QmmArgs& a, int n0, int n1, int k0, int kc, uint8_t* wdst, float* sdst, float* bdst) {
   const int gs = a.group_size, ng = a.K / gs, gpb = kc / gs, nchunk = kc / 32;
   const size_t row_bytes = (size_t)a.K / 2;
   const int nrows = n1 - n0, npan = (nrows + NP - 1) / NP;
   const __m256i mask = _mm256_set1_epi8(0x0f);
   const __m128i zero16 = _mm_setzero_si128();
+  // Per 128-bit lane (4 columns x 4 k): the (k0, k1) bytes of each column, then the (k2, k3) bytes.
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13,
+                                         2, 3, 6, 7, 10, 11, 14, 15);
+  constexpr int wide = WIDE ? 2 : 1;
   for (int j0 = 0; j0 < npan * NP; j0 += 8) {  // 8 columns: one half of a panel
     const int p = j0 / NP, half = (j0 % NP) / 8;
-    uint8_t* wp = wdst + (size_t)p * kPanelBytes + half * 32;
+    uint8_t* wp = wdst + (size_t)p * kPanelBytes * wide + half * 32 * wide;
     const uint8_t* rows[8];
     for (int j = 0; j < 8; ++j) rows[j] = j0 + j < nrows ? a.w + (n0 + j0 + j) * row_bytes + (size_t)k0 / 2 : nullptr;
     for (int c = 0; c < nchunk; ++c) {
@@ -77,11 +86,23 @@ static void repack(const QmmArgs& a, int n0, int n1, int k0, int kc, uint8_t* wd
       const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
       const __m256i u[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
                             _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-      uint8_t* d = wp + (size_t)c * 512;
+      uint8_t* d = wp + (size_t)c * 512 * wide;
       for (int e = 0; e < 4; ++e) {  // u[e]: dword e of columns 0..7
-        _mm256_store_si256(reinterpret_cast<__m256i*>(d + e * 64), _mm256_and_si256(u[e], mask));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(d + (e + 4) * 64),
-                           _mm256_and_si256(_mm256_srli_epi16(u[e], 4), mask));
+        const __m256i lo = _mm256_and_si256(u[e], mask), hi = _mm256_and_si256(_mm256_srli_epi16(u[e], 4), mask);
+        if constexpr (WIDE) {
+          for (int qd = 0; qd < 2; ++qd) {  // quads e and e + 4
+            // qwords [lane 0 pairs 0, lane 1 pairs 0, lane 0 pairs 1, lane 1 pairs 1]: (k0, k1) of columns 0..7,
+            // then (k2, k3).
+            const __m256i t = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(qd ? hi : lo, pairs), 0xD8);
+            uint8_t* dq = d + (e + 4 * qd) * 128;
+            _mm256_store_si256(reinterpret_cast<__m256i*>(dq), _mm256_cvtepu8_epi16(_mm256_castsi256_si128(t)));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(dq + 32),
+                               _mm256_cvtepu8_epi16(_mm256_extracti128_si256(t, 1)));
+          }
+        } else {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(d + e * 64), lo);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(d + (e + 4) * 64), hi);
+        }
       }
     }
   }
@@ -198,28 +219,109 @@ static void micro(const uint8_t* wp, const float* sp, const float* bp, const voi
   }
 }
 
-// Which micro-kernel runs the tiles: this file's (int8 x), or qmm_vnni.cpp's (AVX-512 VNNI: int8 x with the same
-// results, or int16 x), called once per micro-tile.
-enum class Micro { avx2_i8, vnni_i8, vnni_i16 };
+// int16 x (XInt8::q16, the same layout with 2-byte elements): the AVX2 sets' default prefill, at the int16
+// decode kernel's accuracy (~1e-5). vpmaddwd does 16 int16 multiply-adds (two per int32 lane) and Zen 3 issues two
+// per cycle, as many as 8-wide FMAs, but each needs a vpaddd: twice the int8 kernel's instructions per product.
+// Measured at M = 128, one thread, Zen 3: 1.1-1.3x the float32 tiles, ~0.6x int8. The weights come widened from
+// repack<true> in (k0, k1) / (k2, k3) pairs per column; x's matching pair is broadcast as a dword, so each lane
+// accumulates one column's exact sum: |q x| <= 15 * 32767, a chunk's sum < 2^23. The 8 accumulators (4 rows x 16
+// columns), 4 weight vectors, 1 broadcast and 1 product stay in 14 registers (asm, for the reason chunk_dot gives).
+static inline void chunk_dot16(const uint8_t* wc, const int16_t* x, size_t stride, __m256i (&s32)[MR][2]) {
+  static_assert(MR == 4, "chunk_dot16 is written for 4 x rows");
+  const int16_t* x1 = x + stride;
+  const int16_t* x2 = x + 2 * stride;
+  const int16_t* x3 = x + 3 * stride;
+  __m256i p0, p1, r0, r1, b, t;
+#define MLXI16_ROW(xr, a0, a1, q)               \
+  "vpbroadcastd " #q "*8(%[" #xr "]), %[b]\n\t"  \
+  "vpmaddwd %[b], %[p0], %[t]\n\t"              \
+  "vpaddd %[t], %[" #a0 "], %[" #a0 "]\n\t"     \
+  "vpmaddwd %[b], %[p1], %[t]\n\t"              \
+  "vpaddd %[t], %[" #a1 "], %[" #a1 "]\n\t"     \
+  "vpbroadcastd " #q "*8+4(%[" #xr "]), %[b]\n\t" \
+  "vpmaddwd %[b], %[r0], %[t]\n\t"              \
+  "vpaddd %[t], %[" #a0 "], %[" #a0 "]\n\t"     \
+  "vpmaddwd %[b], %[r1], %[t]\n\t"              \
+  "vpaddd %[t], %[" #a1 "], %[" #a1 "]\n\t"
+#define MLXI16_QUAD(q)                              \
+  "vmovdqa " #q "*128(%[w]), %[p0]\n\t"           \
+  "vmovdqa " #q "*128+64(%[w]), %[p1]\n\t"        \
+  "vmovdqa " #q "*128+32(%[w]), %[r0]\n\t"        \
+  "vmovdqa " #q "*128+96(%[w]), %[r1]\n\t"        \
+  MLXI16_ROW(x0, a00, a01, q) MLXI16_ROW(x1, a10, a11, q) MLXI16_ROW(x2, a20, a21, q) MLXI16_ROW(x3, a30, a31, q)
+  __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+          a31 = a00;
+  asm(MLXI16_QUAD(0) MLXI16_QUAD(1) MLXI16_QUAD(2) MLXI16_QUAD(3) MLXI16_QUAD(4) MLXI16_QUAD(5) MLXI16_QUAD(6)
+          MLXI16_QUAD(7)
+      : [a00] "+x"(a00), [a01] "+x"(a01), [a10] "+x"(a10), [a11] "+x"(a11), [a20] "+x"(a20), [a21] "+x"(a21),
+        [a30] "+x"(a30), [a31] "+x"(a31), [p0] "=&x"(p0), [p1] "=&x"(p1), [r0] "=&x"(r0), [r1] "=&x"(r1),
+        [b] "=&x"(b), [t] "=&x"(t)
+      : [w] "r"(wc), [x0] "r"(x), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3)
+      : "memory");
+#undef MLXI16_QUAD
+#undef MLXI16_ROW
+  s32[0][0] = a00, s32[0][1] = a01, s32[1][0] = a10, s32[1][1] = a11;
+  s32[2][0] = a20, s32[2][1] = a21, s32[3][0] = a30, s32[3][1] = a31;
+}
+
+// micro's contract with int16 x and repack<true>'s weights.
+template <int CPG>
+static void micro16(const uint8_t* wp, const float* sp, const float* bp, const void* xq_, size_t xq_stride,
+                    const float* xd, size_t xd_stride, const float* xs, const float* xc, size_t xs_stride, int nchunk,
+                    float* tile) {
+  const int16_t* xq = static_cast<const int16_t*>(xq_);
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int c = 0; c < nchunk; ++c) {
+    __m256i s32[MR][2];
+    chunk_dot16(wp + (size_t)c * 1024, xq + c * 32, xq_stride, s32);
+    const int g = c / CPG;
+    const __m256 sv0 = _mm256_load_ps(sp + g * NP), sv1 = _mm256_load_ps(sp + g * NP + 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dv = _mm256_broadcast_ss(xd + m * xd_stride + c);
+      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[m][0]), _mm256_mul_ps(sv0, dv), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[m][1]), _mm256_mul_ps(sv1, dv), acc[m][1]);
+    }
+    if (c % CPG == CPG - 1) {  // end of a group: the bias and centring terms
+      const __m256 bv0 = _mm256_load_ps(bp + g * NP), bv1 = _mm256_load_ps(bp + g * NP + 8);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xsv = _mm256_broadcast_ss(xs + m * xs_stride + g);
+        const __m256 xcv = _mm256_broadcast_ss(xc + m * xs_stride + g);
+        acc[m][0] = _mm256_fmadd_ps(sv0, xcv, _mm256_fmadd_ps(bv0, xsv, acc[m][0]));
+        acc[m][1] = _mm256_fmadd_ps(sv1, xcv, _mm256_fmadd_ps(bv1, xsv, acc[m][1]));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm256_store_ps(tile + m * NP, acc[m][0]);
+    _mm256_store_ps(tile + m * NP + 8, acc[m][1]);
+  }
+}
+
+// Which micro-kernel runs the tiles: this file's (int8 or int16 x), or qmm_vnni.cpp's (AVX-512 VNNI: int8 x with the
+// same results, or int16 x), called once per micro-tile.
+enum class Micro { avx2_i8, avx2_i16, vnni_i8, vnni_i16 };
 
 template <int CPG, Micro MK>
 static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scratch) {
   const int K = a.K, gs = a.group_size, ng = K / gs, nblk = K / 32;
   const int nrows = n1 - n0, npan = (nrows + NP - 1) / NP;
   uint8_t* wbuf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
-  float* sbuf = reinterpret_cast<float*>(wbuf + (size_t)kPanels * kPanelBytes);
+  const size_t panel_bytes = (size_t)kPanelBytes * (MK == Micro::avx2_i16 ? 2 : 1);  // repack<true>: int16
+  float* sbuf = reinterpret_cast<float*>(wbuf + (size_t)kPanels * panel_bytes);
   float* bbuf = sbuf + (size_t)kPanels * (kKc / 32) * NP;
   alignas(64) float tile[MR * NP];
   const I8MicroFn vnni_micro = MK == Micro::vnni_i8 ? vnni_i8_micro(CPG) : MK == Micro::vnni_i16 ? vnni_i16_micro(CPG)
                                                                                                : nullptr;
-  const size_t xbytes = MK == Micro::vnni_i16 ? 2 : 1;  // x element size: int16 or int8, same layout
-  const uint8_t* xbase = MK == Micro::vnni_i16 ? reinterpret_cast<const uint8_t*>(x.q16)
-                                               : reinterpret_cast<const uint8_t*>(x.q);
+  constexpr bool wide = MK == Micro::vnni_i16 || MK == Micro::avx2_i16;
+  const I8MicroFn micro_fn = vnni_micro ? vnni_micro : MK == Micro::avx2_i16 ? micro16<CPG> : micro<CPG>;
+  const size_t xbytes = wide ? 2 : 1;  // x element size: int16 or int8, same layout
+  const uint8_t* xbase = wide ? reinterpret_cast<const uint8_t*>(x.q16) : reinterpret_cast<const uint8_t*>(x.q);
   const int ncalls = x.mpad / MR * npan;
   for (int k0 = 0; k0 < K; k0 += kKc) {
     const int kc = std::min(kKc, K - k0);
     if (k0 == 0) prefetch_block(a, n0, 0, kc, 0, nrows * lines_per_row(kc));
-    repack(a, n0, n1, k0, kc, wbuf, sbuf, bbuf);
+    repack<MK == Micro::avx2_i16>(a, n0, n1, k0, kc, wbuf, sbuf, bbuf);
     // The next k-block's lines, spread over this block's micro-kernel calls.
     const int kn = k0 + kKc, kcn = std::min(kKc, K - kn), nlines = kn < K ? nrows * lines_per_row(kcn) : 0;
     int call = 0;
@@ -227,7 +329,7 @@ static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scr
       const int mcount = std::min(MR, a.M - m0);
       for (int p = 0; p < npan; ++p, ++call) {
         if (nlines) prefetch_block(a, n0, kn, kcn, nlines * call / ncalls, nlines * (call + 1) / ncalls);
-        (MK != Micro::avx2_i8 ? vnni_micro : micro<CPG>)(wbuf + (size_t)p * kPanelBytes,
+        micro_fn(wbuf + (size_t)p * panel_bytes,
                    sbuf + (size_t)p * (kKc / 32) * NP, bbuf + (size_t)p * (kKc / 32) * NP,
                    xbase + ((size_t)m0 * K + k0) * xbytes, K, x.d + (size_t)m0 * nblk + k0 / 32,
                    nblk, x.sum + (size_t)m0 * ng + k0 / gs, x.corr + (size_t)m0 * ng + k0 / gs, ng, kc / 32, tile);
@@ -330,9 +432,9 @@ static void prep_x(const float* x, int M, int K, int gs, int mpad, Q* q, float* 
 
 }  // namespace isa_avx2i8gemm
 
-static_assert(kKc * 16 * ((kPackN + 15) / 16) + 2 * (kKc / 32) * 16 * ((kPackN + 15) / 16) * 4 + 64 <=
+static_assert(2 * kKc * 16 * ((kPackN + 15) / 16) + 2 * (kKc / 32) * 16 * ((kPackN + 15) / 16) * 4 + 64 <=
                   (size_t)kPackN * kKc * 4,
-              "the int8 prefill's unpacked weights fit the float kernels' scratch");
+              "the integer prefill's unpacked weights (int16: twice the bytes) fit the float kernels' scratch");
 
 KernelSet with_integer_prefill(KernelSet ks) {
   // Any value but "int8" or "float" keeps the default; mlxinfer.native reports an unknown one.
@@ -341,10 +443,9 @@ KernelSet with_integer_prefill(KernelSet ks) {
   const bool vnni = std::strcmp(ks.isa, "avx512vnni") == 0;
   ks.qmm_i8 = vnni ? isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i8> : isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::avx2_i8>;
   ks.prep_x8_gemm = isa_avx2i8gemm::prep_x<int8_t>;
-  if (vnni) {  // the precise default: int16 x, same GEMM
-    ks.qmm_i16 = isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i16>;
-    ks.prep_x16_gemm = isa_avx2i8gemm::prep_x<int16_t>;
-  }
+  // The precise default: int16 x, same GEMM.
+  ks.qmm_i16 = vnni ? isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i16> : isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::avx2_i16>;
+  ks.prep_x16_gemm = isa_avx2i8gemm::prep_x<int16_t>;
   // The name carries the choice: kernel reports and bench provenance must say that prefill rounds x to int8.
   if (int8_prefill_requested())
     ks.isa = vnni ? "avx512vnni+int8-prefill"

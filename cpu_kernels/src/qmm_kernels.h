@@ -101,7 +101,7 @@ KernelSet avx2i8_kernels();   // isa "avx2i8": int8 x decode for 4-bit weights (
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
 // + the integer prefill GEMMs: int8 on the AVX2 integer and VNNI sets (used when MLXINFER_PREFILL=int8 or
-// set_int8_prefill(true); the name then ends in "+int8-prefill"), int16 on VNNI (the default there).
+// set_int8_prefill(true); the name then ends in "+int8-prefill"), int16 on the same sets (the default there).
 // MLXINFER_PREFILL=float: neither (float32 tiles).
 KernelSet with_integer_prefill(KernelSet ks);
 // The process' prefill setting from MLXINFER_PREFILL: true for "int8" (quantized.cpp's switch starts there).

@@ -105,7 +105,7 @@ constexpr int64_t kTaskBytes = 256 * 1024;  // most packed weight bytes one deco
 // Off: KernelSet::int8_x sets prepare int16 x instead (the load-time self-check compares formulas, not rounding).
 std::atomic<bool> int8_decode{true};
 // On: prefill of 4-bit weights runs the set's int8 GEMM (MLXINFER_PREFILL=int8 starts it on); off: its precise path
-// (the int16 GEMM where the set has one, else the float32 tiles).
+// (the int16 GEMM where the set has one: avx2, avx2i8, avx512vnni; else the float32 tiles).
 std::atomic<bool> int8_prefill{int8_prefill_requested()};
 
 

@@ -14,8 +14,8 @@ a build is used only when its stamp matches the running MLX (and, in a source ch
 Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
 (default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
 forces a kernel variant (for tests). Prefill of 4-bit weights (more than 8 rows) runs an integer GEMM where the set
-has one: on AVX-512 VNNI x rounded to int16 per 32-element block by default (~1e-5 of an output's scale, 1.9x the
-float32 tiles); ``MLXINFER_PREFILL=int8`` rounds it to int8 on the AVX2 integer and VNNI sets (llama.cpp's Q8_0
+has one: on the AVX2 integer and AVX-512 VNNI sets x rounded to int16 per 32-element block by default (~1e-5 of an
+output's scale; 1.9x the float32 tiles with VNNI, 1.1-1.3x with AVX2's vpmaddwd); ``MLXINFER_PREFILL=int8`` rounds it to int8 on the AVX2 integer and VNNI sets (llama.cpp's Q8_0
 grade: faster, but it flips near-tied greedy tokens, e.g. the bundled model's answer to "What is the capital of
 France?"; the set's name then ends in ``+int8-prefill``); ``MLXINFER_PREFILL=float`` keeps the float32 tiles.
 ``prefill_problem()`` is the one line for any other value, which the kernels ignore.
@@ -210,7 +210,7 @@ def int8_activations(*, decode: Optional[bool] = None, prefill: Optional[bool] =
                      ext: Optional[ModuleType] = None) -> Iterator[None]:
     """The kernels' int8 activation paths on (True) or off (False) while inside, None leaving one as it is: decode
     (the avx2i8 set's matvecs, int16 x when off) and prefill (the int8 GEMM; off: the precise path, int16 on
-    AVX-512 VNNI, else float32 tiles). The
+    the AVX2 integer and VNNI sets, else float32 tiles). The
     settings found are restored. ``ext``: the extension module (default: the loaded one). A build without such a
     path has nothing to switch (it already runs the precise one)."""
     ext = ext if ext is not None else extension()

@@ -7,8 +7,8 @@ difference relative to the largest |logit|, prefill + 32 decode steps): 1.3e-4 t
 float16 KV cache; with MLXINFER_KV_DTYPE=float32, 0.9e-6 to 2.5e-6 with the float32 decode matvec and 0.8e-4 to
 1.2e-4 with the int16-activation one (AVX2 int16 / VNNI, the default where the CPU has it). ``REL_TOL`` = 5e-3
 (float16 cache) and 5e-4 (float32); a changed formula gives 1e-1 and more. These comparisons run with prefill at
-float32 (``float_prefill``: the int8 prefill GEMM off, as the load-time self-check runs it; on AVX-512 VNNI that
-is the int16 prefill GEMM, ~1e-5).
+float32 (``float_prefill``: the int8 prefill GEMM off, as the load-time self-check runs it; on the AVX2 integer
+and AVX-512 VNNI sets that is the int16 prefill GEMM, ~1e-5).
 
 The opt-in int8 prefill (MLXINFER_PREFILL=int8: x rounded to int8 per 32-block, llama.cpp's Q8_0 grade) is checked on its own
 against the same built-in logits: rounding each activation to 1/254 of its block's largest magnitude, through every

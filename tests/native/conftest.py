@@ -26,7 +26,7 @@ def native_ext():
 @pytest.fixture
 def float_prefill(native_ext):
     """Prefill on its precise path while the test runs (the opt-in int8 GEMM off even under MLXINFER_PREFILL=int8;
-    float32 tiles, or the int16 GEMM on AVX-512 VNNI): what the
+    the int16 GEMM on the AVX2 integer and VNNI sets, else float32 tiles): what the
     load-time self-check sees."""
     from mlxinfer import native
 

@@ -7,8 +7,10 @@
   x exactly as the kernel's contract says (tightly, 1e-5): a wrong weight, scale, column or group fails the second
   by orders of magnitude. The two micro-kernels compute the same integer sums and the same float steps: their
   outputs must be equal bit for bit.
-* int16 (the same GEMM with x rounded to int16, vpdpwssd): avx512vnni's default prefill, held to the exact product
-  at the int16 decode kernel's accuracy.
+* int16 (the same GEMM with x rounded to int16: vpdpwssd on avx512vnni, vpmovzxbw'd weights and vpmaddwd on the
+  avx2/avx2i8 sets): the default prefill of those sets, held to the exact product at the int16 decode kernel's
+  accuracy and to its int16-aware reference. The AVX2 and VNNI int16 micro-kernels sum the same integers exactly
+  but add the float steps in another order: equal to float32 rounding, not bit for bit.
 
 Also the run-time switch (set_int8_prefill), the kernel set's name and the line for an MLXINFER_PREFILL value the
 kernels do not know."""
@@ -34,7 +36,7 @@ _PARITY = textwrap.dedent(
     ext = native.extension()
     print(ext.isa())
 
-    wide = ext.isa() == "avx512vnni"  # its default prefill: int16 x
+    wide = not ext.isa().endswith("+int8-prefill")  # the default prefill: int16 x
 
     def int8_reference(x, qn, sn, bn):
         # x ~= d * xq per 32-block, d = max|x| / 127 (int16: 32767), round half to even; q centred (q - 8) with the rest of the
@@ -120,17 +122,18 @@ def test_int8_prefill_parity(native_ext, isa):
     assert 1e-3 < float(exact) < 1e-1 and float(i8) < 1e-5
 
 
-def test_int16_prefill_parity(native_ext):
-    """avx512vnni's default prefill: x rounded to int16 per 32-block; within 3e-4 of the largest exact output even
-    for K = 32 next to a 13x outlier (measured 9e-5 there; int8: 2.7e-2), and to float32 accuracy of its
-    int16-aware reference. The exact-product error is still above the float32 tiles' (~1e-6): the int16 GEMM, not
-    the tiles, ran."""
-    _skip_unless_avx2(native_ext, "avx512vnni")
-    proc = subprocess.run([sys.executable, "-c", _PARITY], env=_env(None, "avx512vnni"), capture_output=True,
+@pytest.mark.parametrize("isa", ["avx2", "avx2i8", "avx512vnni"])
+def test_int16_prefill_parity(native_ext, isa):
+    """The default prefill of the integer sets: x rounded to int16 per 32-block; within 3e-4 of the largest exact
+    output even for K = 32 next to a 13x outlier (measured 9e-5 there; int8: 2.7e-2), and to float32 accuracy of
+    its int16-aware reference. The exact-product error is still above the float32 tiles' (~1e-6): the int16 GEMM,
+    not the tiles, ran."""
+    _skip_unless_avx2(native_ext, isa)
+    proc = subprocess.run([sys.executable, "-c", _PARITY], env=_env(None, isa), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     got, cases, exact, i16 = proc.stdout.split()
-    assert got == "avx512vnni" and int(cases) == 3 * 3 * 4 * 5 * 3
+    assert got == isa and int(cases) == 3 * 3 * 4 * 5 * 3
     assert 5e-6 < float(exact) < 3e-4 and float(i16) < 1e-5
 
 
@@ -175,9 +178,9 @@ def test_vnni_and_avx2_int8_prefill_are_equal_bit_for_bit(native_ext, tmp_path):
     assert got["avx2"].size > 100_000 and np.array_equal(got["avx2"], got["avx512vnni"])
 
 
-@pytest.mark.parametrize("isa,prefill", [("avx2", None), ("avx2", "float"), ("avx512vnni", "float")])
+@pytest.mark.parametrize("isa,prefill", [("avx2float", None), ("avx2", "float"), ("avx512vnni", "float")])
 def test_float_prefill_is_unchanged(native_ext, isa, prefill):
-    """The float32 tiles: the AVX2 sets' default, and MLXINFER_PREFILL=float anywhere: the same product to ~1e-6."""
+    """The float32 tiles: avx2float's prefill, and MLXINFER_PREFILL=float anywhere: the same product to ~1e-6."""
     _skip_unless_avx2(native_ext, isa)
     code = textwrap.dedent(
         """
