@@ -11,6 +11,7 @@ per-op kernels alone still disagree, those too) and is reported in one line; ``-
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -71,12 +72,13 @@ def _groups(model: nn.Module) -> dict[str, list[nn.Module]]:
     """Top-level fused modules (not inside another fused one) grouped by configuration, keyed by the first's path."""
     fused = [(name, m) for name, m in sorted(model.named_modules(), key=lambda nm: _natural(nm[0])) if _is_fused(m)]
     inside = {id(sub) for _, m in fused for path, sub in m.named_modules() if path}
+    names_read: dict[type, frozenset] = {}  # per check, not per process: a method may be patched in between
     groups: dict[tuple, list] = {}
     names: dict[tuple, str] = {}
     for name, m in fused:
         if id(m) in inside:
             continue
-        key = _signature(m)
+        key = _signature(m, names_read)
         groups.setdefault(key, []).append(m)
         names.setdefault(key, name or "model")
     return {names[k]: v for k, v in groups.items()}
@@ -87,15 +89,56 @@ def _natural(path: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("."))
 
 
-def _signature(m: nn.Module) -> tuple:
-    """What makes two modules compute alike: classes, scalar settings and parameter shapes of the whole subtree."""
+# A module's place in the stack, stored by some mlx-lm classes (gemma3_text's Attention keeps ``layer_idx``). Left
+# in the signature, it made every Gemma layer a configuration of its own: 26 checks and ~5 s of a Gemma-3-1B load.
+# It is dropped only where no method of the subtree's mlx-lm classes reads it (what it decides, e.g. ``is_sliding``,
+# is a scalar of its own and stays); mlxinfer's fused paths never read it.
+POSITION_ATTRS = frozenset({"layer_idx", "layer_id", "idx"})
+
+
+def _signature(m: nn.Module, names_read: dict) -> tuple:
+    """What makes two modules compute alike: classes, scalar settings and parameter shapes of the whole subtree
+    (position attributes that no code of the subtree reads left out; ``names_read`` memoises ``_names_read``)."""
+    subs = list(m.named_modules())
+    read = set()
+    for _, sub in subs:
+        cls = builtin_class(type(sub))
+        if cls not in names_read:
+            names_read[cls] = _names_read(cls)
+        read |= names_read[cls]
+    unread = POSITION_ATTRS - read
     parts = []
-    for path, sub in m.named_modules():
+    for path, sub in subs:
         scalars = tuple(sorted((k, v) for k, v in vars(sub).items()
-                               if isinstance(v, (int, float, bool, str)) and not k.startswith("_")))
+                               if isinstance(v, (int, float, bool, str)) and not k.startswith("_")
+                               and k not in unread))
         parts.append((path, type(sub), scalars))
     shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in tree_flatten(m.parameters()))
     return tuple(parts), shapes
+
+
+def _names_read(cls: type) -> frozenset:
+    """Every name the methods of ``cls`` and its bases below ``nn.Module`` use (attribute and global names of their
+    code, nested functions included; ``__init__`` aside, which stores the attribute): an attribute whose name is not
+    among them cannot change what the module computes."""
+    names: set = set()
+    stack = []
+    for klass in cls.__mro__:
+        if klass in (nn.Module, dict, object):
+            continue
+        for name, value in vars(klass).items():
+            if name == "__init__":
+                continue
+            value = getattr(value, "__func__", value)  # staticmethod / classmethod
+            if isinstance(value, property):
+                stack += [f.__code__ for f in (value.fget, value.fset, value.fdel) if f is not None]
+            elif hasattr(value, "__code__"):
+                stack.append(value.__code__)
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return frozenset(names)
 
 
 def _inputs(m: nn.Module) -> Optional[tuple[mx.array, mx.array]]:

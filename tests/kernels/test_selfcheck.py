@@ -167,3 +167,53 @@ def test_selfcheck_runs_precise_activations_and_restores_them(native, monkeypatc
     finally:
         ext.set_int8_prefill(before[0])
         ext.set_int8_decode(before[1])
+
+
+def _tiny_gemma(layers=6):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import tiny_arch
+
+    return tiny_arch.make_model("gemma3_text", overrides={"num_hidden_layers": layers, "sliding_window": 16})
+
+
+def test_a_layer_index_no_code_reads_does_not_split_configurations(native):
+    """gemma3_text's Attention stores ``layer_idx``; its methods read only what it decided (``is_sliding``). Six
+    layers are then two configurations (sliding and global), each checked once — not six (a Gemma-3-1B load spent
+    ~5 s checking 26)."""
+    model = _tiny_gemma()
+    report = patch.apply_kernels(model, "auto")
+    assert "6 decoder layers as one op" in report.detail and "self-check" not in report.detail
+    groups = selfcheck._groups(model)
+    assert {k: len(v) for k, v in groups.items()} == {"model.layers.0": 3, "model.layers.1": 3}
+    assert [m.self_attn.is_sliding for m in groups["model.layers.0"]] == [True] * 3
+    patch.apply_kernels(model, "builtin")
+
+
+def test_a_layer_index_the_code_reads_is_checked_per_layer(native, monkeypatch):
+    """If an upstream change makes the maths depend on ``layer_idx`` itself, every layer is its own configuration:
+    the changed layers (3 and up here) are refused and the output stays mlx-lm's."""
+    from mlx_lm.models import gemma3_text
+
+    original = gemma3_text.Attention.__call__
+
+    def __call__(self, x, mask=None, cache=None):
+        out = original(self, x, mask, cache)
+        return out + 0.5 if self.layer_idx >= 3 else out  # not a scale: Gemma's post-attention norm undoes one
+
+    monkeypatch.setattr(gemma3_text.Attention, "__call__", __call__)
+    reference = _tiny_gemma()
+    patch.apply_kernels(reference, "builtin")
+    expected = run(reference)
+    model = _tiny_gemma()
+    report = patch.apply_kernels(model, "auto")
+    assert "self-check" in report.detail and "model.layers.3" in report.detail, report.detail
+    assert "3 decoder layers as one op" in report.detail, report.detail
+    got = run(model)
+    # Relative to the largest logit: the layers still fused differ by rounding (float16 KV cache, ~4e-4 here); the
+    # change itself moves them by 5e-2.
+    rel = float(mx.abs(got - expected).max() / mx.abs(expected).max())
+    assert rel < 5e-3, rel
+    patch.apply_kernels(model, "builtin")
