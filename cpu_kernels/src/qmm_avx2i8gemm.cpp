@@ -1,6 +1,6 @@
 // AVX2 integer prefill GEMMs for 4-bit weights (this file alone is compiled with -mavx2 -mfma -mf16c): x rounded to
-// int16 (the default of the avx2/avx2i8 sets, micro16 below) or, opt-in, to int8 (micro). Both share the tiling,
-// the repacked weight panels and the formula below, with 32767 in place of 127.
+// int16 (the default of the avx2/avx2i8 sets, chunk_dot16 below) or, opt-in, to int8 (chunk_dot). Both share the
+// tiling, the repacked weight panels and the formula below, with 32767 in place of 127.
 //
 // Why: the float32 prefill kernel dequantizes every weight to float and spends one FMA per 8 multiply-adds;
 // llama.cpp's Q4_0 x Q8_0 path beats it with vpmaddubsw (32 u8 x s8 products, summed in pairs, per instruction).
@@ -179,46 +179,6 @@ static inline void chunk_dot(const uint8_t* wc, const int8_t* x, size_t stride, 
   s16[2][0] = a20, s16[2][1] = a21, s16[3][0] = a30, s16[3][1] = a31;
 }
 
-// tile[MR][NP] += x rows [m0, m0 + MR) times one panel over one k-block (from chunk 0 of wp, group 0 of sp/bp).
-// xq/xd/xs/xc point at row m0's first k / block / group of this k-block; strides in elements.
-template <int CPG>
-static void micro(const uint8_t* wp, const float* sp, const float* bp, const void* xq_, size_t xq_stride,
-                  const float* xd, size_t xd_stride, const float* xs, const float* xc, size_t xs_stride, int nchunk,
-                  float* tile) {
-  const int8_t* xq = static_cast<const int8_t*>(xq_);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  for (int c = 0; c < nchunk; ++c) {
-    const uint8_t* wc = wp + (size_t)c * 512;
-    const int8_t* xc8 = xq + c * 32;
-    __m256i s16[MR][2];
-    chunk_dot(wc, xc8, xq_stride, s16);
-    const int g = c / CPG;
-    const __m256 sv0 = _mm256_load_ps(sp + g * NP), sv1 = _mm256_load_ps(sp + g * NP + 8);
-    for (int m = 0; m < MR; ++m) {
-      const __m256 dv = _mm256_broadcast_ss(xd + m * xd_stride + c);
-      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m][0], ones)), _mm256_mul_ps(sv0, dv),
-                                  acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m][1], ones)), _mm256_mul_ps(sv1, dv),
-                                  acc[m][1]);
-    }
-    if (c % CPG == CPG - 1) {  // end of a group: the bias and centring terms
-      const __m256 bv0 = _mm256_load_ps(bp + g * NP), bv1 = _mm256_load_ps(bp + g * NP + 8);
-      for (int m = 0; m < MR; ++m) {
-        const __m256 xsv = _mm256_broadcast_ss(xs + m * xs_stride + g);
-        const __m256 xcv = _mm256_broadcast_ss(xc + m * xs_stride + g);
-        acc[m][0] = _mm256_fmadd_ps(sv0, xcv, _mm256_fmadd_ps(bv0, xsv, acc[m][0]));
-        acc[m][1] = _mm256_fmadd_ps(sv1, xcv, _mm256_fmadd_ps(bv1, xsv, acc[m][1]));
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    _mm256_store_ps(tile + m * NP, acc[m][0]);
-    _mm256_store_ps(tile + m * NP + 8, acc[m][1]);
-  }
-}
-
 // int16 x (XInt8::q16, the same layout with 2-byte elements): the AVX2 sets' default prefill, at the int16
 // decode kernel's accuracy (~1e-5). vpmaddwd does 16 int16 multiply-adds (two per int32 lane) and Zen 3 issues two
 // per cycle, as many as 8-wide FMAs, but each needs a vpaddd: twice the int8 kernel's instructions per product.
@@ -264,17 +224,25 @@ static inline void chunk_dot16(const uint8_t* wc, const int16_t* x, size_t strid
   s32[2][0] = a20, s32[2][1] = a21, s32[3][0] = a30, s32[3][1] = a31;
 }
 
-// micro's contract with int16 x and repack<true>'s weights.
-template <int CPG>
-static void micro16(const uint8_t* wp, const float* sp, const float* bp, const void* xq_, size_t xq_stride,
-                    const float* xd, size_t xd_stride, const float* xs, const float* xc, size_t xs_stride, int nchunk,
-                    float* tile) {
-  const int16_t* xq = static_cast<const int16_t*>(xq_);
+// tile[MR][NP] += x rows [m0, m0 + MR) times one panel over one k-block (from chunk 0 of wp, group 0 of sp/bp).
+// xq/xd/xs/xc point at row m0's first k / block / group of this k-block; strides in elements. WIDE: int16 x and
+// repack<true>'s weights (chunk_dot16 above), else int8 (chunk_dot); the float steps are the same.
+template <int CPG, bool WIDE>
+static void micro(const uint8_t* wp, const float* sp, const float* bp, const void* xq, size_t xq_stride,
+                  const float* xd, size_t xd_stride, const float* xs, const float* xc, size_t xs_stride, int nchunk,
+                  float* tile) {
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int c = 0; c < nchunk; ++c) {
-    __m256i s32[MR][2];
-    chunk_dot16(wp + (size_t)c * 1024, xq + c * 32, xq_stride, s32);
+    __m256i s32[MR][2];  // per column, the chunk's exact integer sum
+    if constexpr (WIDE) {
+      chunk_dot16(wp + (size_t)c * 1024, static_cast<const int16_t*>(xq) + c * 32, xq_stride, s32);
+    } else {
+      chunk_dot(wp + (size_t)c * 512, static_cast<const int8_t*>(xq) + c * 32, xq_stride, s32);
+      for (int m = 0; m < MR; ++m)
+        for (int h = 0; h < 2; ++h) s32[m][h] = _mm256_madd_epi16(s32[m][h], ones);  // int16 pair sums -> int32
+    }
     const int g = c / CPG;
     const __m256 sv0 = _mm256_load_ps(sp + g * NP), sv1 = _mm256_load_ps(sp + g * NP + 8);
     for (int m = 0; m < MR; ++m) {
@@ -314,7 +282,7 @@ static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scr
   const I8MicroFn vnni_micro = MK == Micro::vnni_i8 ? vnni_i8_micro(CPG) : MK == Micro::vnni_i16 ? vnni_i16_micro(CPG)
                                                                                                : nullptr;
   constexpr bool wide = MK == Micro::vnni_i16 || MK == Micro::avx2_i16;
-  const I8MicroFn micro_fn = vnni_micro ? vnni_micro : MK == Micro::avx2_i16 ? micro16<CPG> : micro<CPG>;
+  const I8MicroFn micro_fn = vnni_micro ? vnni_micro : MK == Micro::avx2_i16 ? micro<CPG, true> : micro<CPG, false>;
   const size_t xbytes = wide ? 2 : 1;  // x element size: int16 or int8, same layout
   const uint8_t* xbase = wide ? reinterpret_cast<const uint8_t*>(x.q16) : reinterpret_cast<const uint8_t*>(x.q);
   const int ncalls = x.mpad / MR * npan;
