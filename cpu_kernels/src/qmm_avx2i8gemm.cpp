@@ -184,8 +184,9 @@ static inline void chunk_dot(const uint8_t* wc, const int8_t* x, size_t stride, 
 // per cycle, as many as 8-wide FMAs, but each needs a vpaddd: twice the int8 kernel's instructions per product.
 // Measured at M = 128, one thread, Zen 3: 1.1-1.3x the float32 tiles, ~0.6x int8. The weights come widened from
 // repack<true> in (k0, k1) / (k2, k3) pairs per column; x's matching pair is broadcast as a dword, so each lane
-// accumulates one column's exact sum: |q x| <= 15 * 32767, a chunk's sum < 2^23. The 8 accumulators (4 rows x 16
-// columns), 4 weight vectors, 1 broadcast and 1 product stay in 14 registers (asm, for the reason chunk_dot gives).
+// accumulates one column's exact sum: |q x| <= 15 * 32767, so a chunk's sum stays below 2^24 (exact in float32
+// too). The 8 accumulators (4 rows x 16 columns), 4 weight vectors, 1 broadcast and 1 product stay in 14 registers
+// (asm, for the reason chunk_dot gives).
 static inline void chunk_dot16(const uint8_t* wc, const int16_t* x, size_t stride, __m256i (&s32)[MR][2]) {
   static_assert(MR == 4, "chunk_dot16 is written for 4 x rows");
   const int16_t* x1 = x + stride;

@@ -118,26 +118,51 @@ def _signature(m: nn.Module, names_read: dict) -> tuple:
 
 
 def _names_read(cls: type) -> frozenset:
-    """Every name the methods of ``cls`` and its bases below ``nn.Module`` use (attribute and global names of their
-    code, nested functions included; ``__init__`` aside, which stores the attribute): an attribute whose name is not
-    among them cannot change what the module computes."""
+    """Every name the methods of ``cls`` and its bases below ``nn.Module`` may read (``__init__`` aside, which stores
+    the attribute): the attribute and global names and the string constants of their code, and the same of what
+    that code reaches (nested functions, wrapped or closed-over functions, functions of the class' module called by
+    name). An attribute whose name is not among them cannot change what the module computes."""
     names: set = set()
-    stack = []
+    seen: set = set()
+    stack: list = []
+
+    def add(fn) -> None:
+        fn = getattr(fn, "__func__", fn)  # staticmethod / classmethod
+        if isinstance(fn, property):
+            for f in (fn.fget, fn.fset, fn.fdel):
+                add(f)
+            return
+        while hasattr(fn, "__wrapped__"):  # functools.wraps
+            add(fn.__wrapped__)
+            fn = getattr(fn, "__wrapped__")
+        code = getattr(fn, "__code__", None)
+        if code is None or id(code) in seen:
+            return
+        seen.add(id(code))
+        stack.append((code, getattr(fn, "__globals__", {})))
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                add(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+
     for klass in cls.__mro__:
         if klass in (nn.Module, dict, object):
             continue
         for name, value in vars(klass).items():
-            if name == "__init__":
-                continue
-            value = getattr(value, "__func__", value)  # staticmethod / classmethod
-            if isinstance(value, property):
-                stack += [f.__code__ for f in (value.fget, value.fset, value.fdel) if f is not None]
-            elif hasattr(value, "__code__"):
-                stack.append(value.__code__)
+            if name != "__init__":
+                add(value)
     while stack:
-        code = stack.pop()
+        code, scope = stack.pop()
         names.update(code.co_names)
-        stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                stack.append((c, scope))
+            elif isinstance(c, str):
+                names.add(c)  # getattr(self, "layer_idx")
+        for name in code.co_names:
+            if isinstance(scope.get(name), types.FunctionType):
+                add(scope[name])
     return frozenset(names)
 
 

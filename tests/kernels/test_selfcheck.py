@@ -217,3 +217,37 @@ def test_a_layer_index_the_code_reads_is_checked_per_layer(native, monkeypatch):
     rel = float(mx.abs(got - expected).max() / mx.abs(expected).max())
     assert rel < 5e-3, rel
     patch.apply_kernels(model, "builtin")
+
+
+def _reads_index(attn):
+    return getattr(attn, "layer_idx") > 2
+
+
+def test_names_read_follows_helpers_wrappers_and_getattr(monkeypatch):
+    """An index read through a module-level helper and getattr with a string, or by a method under a
+    functools.wraps decorator, still counts as read (the layers are then checked one by one)."""
+    import functools
+
+    from mlx_lm.models import gemma3_text
+
+    assert "layer_idx" not in selfcheck._names_read(gemma3_text.Attention)
+    original = gemma3_text.Attention.__call__
+
+    def via_helper(self, x, mask=None, cache=None):
+        return original(self, x, mask, cache) + (0.5 if _reads_index(self) else 0.0)
+
+    monkeypatch.setattr(gemma3_text.Attention, "__call__", via_helper)
+    assert "layer_idx" in selfcheck._names_read(gemma3_text.Attention)
+
+    def wrapped(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return inner
+
+    def direct(self, x, mask=None, cache=None):
+        return original(self, x, mask, cache) * (1 + self.layer_idx)
+
+    monkeypatch.setattr(gemma3_text.Attention, "__call__", wrapped(direct))
+    assert "layer_idx" in selfcheck._names_read(gemma3_text.Attention)
