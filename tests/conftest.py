@@ -73,6 +73,8 @@ def mlx_lm_greedy(smollm2_dir):
 
     def reference(prompt_tokens: list[int], n: int = 32, device=None) -> list[int]:
         device = device if device is not None else mx.default_device()
+        if not isinstance(device, mx.Device):  # mx.cpu is a DeviceType: one key for it and Device(cpu, 0)
+            device = mx.Device(device)
         key = (tuple(prompt_tokens), n, str(device))
         if key not in memo:
             with mx.stream(device):
