@@ -132,9 +132,8 @@ def _names_read(cls: type) -> frozenset:
             for f in (fn.fget, fn.fset, fn.fdel):
                 add(f)
             return
-        while hasattr(fn, "__wrapped__"):  # functools.wraps
+        if hasattr(fn, "__wrapped__"):  # functools.wraps: the wrapped function, and the wrapper's own code below
             add(fn.__wrapped__)
-            fn = getattr(fn, "__wrapped__")
         code = getattr(fn, "__code__", None)
         if code is None or id(code) in seen:
             return

@@ -3,6 +3,9 @@ queries, another MLP activation, an added bias) turns the fused path off, and th
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -10,6 +13,9 @@ from mlx_lm.models import cache as cache_lib
 from mlx_lm.models import llama
 
 from kernel_cases import tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+import tiny_arch  # noqa: E402
 from mlxinfer.errors import MlxinferError
 from mlxinfer.kernels import eligibility, patch, selfcheck
 
@@ -170,12 +176,6 @@ def test_selfcheck_runs_precise_activations_and_restores_them(native, monkeypatc
 
 
 def _tiny_gemma(layers=6):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-    import tiny_arch
-
     return tiny_arch.make_model("gemma3_text", overrides={"num_hidden_layers": layers, "sliding_window": 16})
 
 
@@ -250,4 +250,14 @@ def test_names_read_follows_helpers_wrappers_and_getattr(monkeypatch):
         return original(self, x, mask, cache) * (1 + self.layer_idx)
 
     monkeypatch.setattr(gemma3_text.Attention, "__call__", wrapped(direct))
+    assert "layer_idx" in selfcheck._names_read(gemma3_text.Attention)
+
+    def reading_wrapper(fn):  # the wrapper itself reads the index, the wrapped method does not
+        @functools.wraps(fn)
+        def inner(self, *args, **kwargs):
+            return fn(self, *args, **kwargs) * (1 + self.layer_idx)
+
+        return inner
+
+    monkeypatch.setattr(gemma3_text.Attention, "__call__", reading_wrapper(original))
     assert "layer_idx" in selfcheck._names_read(gemma3_text.Attention)
