@@ -413,7 +413,8 @@ KernelSet with_integer_prefill(KernelSet ks) {
   ks.qmm_i8 = vnni ? isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i8> : isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::avx2_i8>;
   ks.prep_x8_gemm = isa_avx2i8gemm::prep_x<int8_t>;
   // The precise default: int16 x, same GEMM.
-  ks.qmm_i16 = vnni ? isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i16> : isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::avx2_i16>;
+  ks.qmm_i16 = vnni ? isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i16>
+                   : isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::avx2_i16>;
   ks.prep_x16_gemm = isa_avx2i8gemm::prep_x<int16_t>;
   // The name carries the choice: kernel reports and bench provenance must say that prefill rounds x to int8.
   if (int8_prefill_requested())

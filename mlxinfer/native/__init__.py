@@ -15,9 +15,10 @@ Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N``
 (default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
 forces a kernel variant (for tests). Prefill of 4-bit weights (more than 8 rows) runs an integer GEMM where the set
 has one: on the AVX2 integer and AVX-512 VNNI sets x rounded to int16 per 32-element block by default (~1e-5 of an
-output's scale; 1.9x the float32 tiles with VNNI, 1.1-1.3x with AVX2's vpmaddwd); ``MLXINFER_PREFILL=int8`` rounds it to int8 on the AVX2 integer and VNNI sets (llama.cpp's Q8_0
-grade: faster, but it flips near-tied greedy tokens, e.g. the bundled model's answer to "What is the capital of
-France?"; the set's name then ends in ``+int8-prefill``); ``MLXINFER_PREFILL=float`` keeps the float32 tiles.
+output's scale; 1.9x the float32 tiles with VNNI, 1.1-1.3x with AVX2's vpmaddwd); ``MLXINFER_PREFILL=int8`` rounds
+it to int8 on the AVX2 integer and VNNI sets (llama.cpp's Q8_0 grade: faster, but it flips near-tied greedy tokens,
+e.g. the bundled model's answer to "What is the capital of France?"; the set's name then ends in ``+int8-prefill``);
+``MLXINFER_PREFILL=float`` keeps the float32 tiles.
 ``prefill_problem()`` is the one line for any other value, which the kernels ignore.
 """
 
