@@ -1,10 +1,11 @@
 // The DecoderLayer primitive: one decoder layer as one graph node, driven by a layer plan (mlxinfer/kernels/spec.py
 // describes the layer; decoder_layer_plan turns that description into this file's LayerPlan once per layer).
-//   a = attn(norm_a(x)),  h = x + (norm_ao(a) | a),  m = mlp(norm_m(h)),  y = h + (norm_mo(m) | m)
-// norm_ao / norm_mo: Gemma's sandwich norms (absent for llama/qwen/phi). attn: q/k/v (separate or one fused qkv
-// projection, Phi-3), optional biases (Qwen2), per-head q/k RMSNorms (Qwen3, Gemma 3), RoPE over the first
-// rope_dims of each head (base, or precomputed periods: Llama-3, Phi-3 SuScaled/LongRoPE with its input scale),
-// attention over the KV cache, optionally only its last `window` positions (Gemma's sliding layers).
+//   a = attn(norm_a(x) | x),  h = x + (norm_ao(a) | a),  m = mlp(norm_m(h) | h),  y = h + (norm_mo(m) | m)
+// Each norm is there or not: pre norms only (llama/qwen/phi), all four (Gemma's sandwich), post norms only
+// (OLMo 2/3). attn: q/k/v (separate or one fused qkv projection, Phi-3), optional biases (Qwen2), RMSNorms on q and
+// k before RoPE, per head (Qwen3, Gemma 3) or over the whole projection (OLMo: qk_norm_whole), RoPE over the first
+// rope_dims of each head (base, or precomputed periods: Llama-3, YaRN, Phi-3 SuScaled/LongRoPE, the last two with
+// an input scale), attention over the KV cache, optionally only its last `window` positions (sliding layers).
 // mlp: act(gate) * up (separate or one fused gate_up projection), act SiLU or GELU-tanh, then down.
 // Norm weights may be stored as w - 1 (Gemma: the norm multiplies by 1 + w; norm_offset = 1).
 //
@@ -52,7 +53,7 @@ constexpr int kSlots = sLinear0 + 3 * kLinears;
 
 struct LayerPlan {
   int gs, bits, hq, hkv, d, rope_dims, act, window, n_arrays;
-  bool traditional;
+  bool traditional, qk_whole;
   float base, rope_scale, rope_mscale, attn_scale, eps, qk_eps, norm_offset;
   int at[kSlots];  // input index of each slot (x is input 0, arrays follow), -1 when absent
   int lin(int l, int part = 0) const { return at[sLinear0 + 3 * l + part]; }
@@ -181,9 +182,14 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   const float* periods = p.at[sFreqs] >= 0 ? in[p.at[sFreqs]].data<float>() : nullptr;
   const RopeSpec rope{p.rope_dims, p.traditional, p.base, p.rope_scale};
 
-  norm_rows(p, in[p.at[sAttnNorm]], xf, xn, rows, E, p.eps, wtmp);
+  // The projections' input: norm_a(x), or x itself when the layer has no pre norm (OLMo).
+  const float* xa = xf;
+  if (p.at[sAttnNorm] >= 0) {
+    norm_rows(p, in[p.at[sAttnNorm]], xf, xn, rows, E, p.eps, wtmp);
+    xa = xn;
+  }
   if (fused_qkv) {  // Phi-3: one projection, split into q | k | v per row
-    qmm_float(xn, rows, E, {qw(in, p, lQKV, fqkv)}, gs, bits);
+    qmm_float(xa, rows, E, {qw(in, p, lQKV, fqkv)}, gs, bits);
     const size_t w = qd + 2 * kvd;
     for (int r = 0; r < rows; ++r) {
       std::memcpy(fq + (size_t)r * qd, fqkv + r * w, qd * sizeof(float));
@@ -191,7 +197,7 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
       std::memcpy(fv + (size_t)r * kvd, fqkv + r * w + qd + kvd, kvd * sizeof(float));
     }
   } else {
-    qmm_float(xn, rows, E, {qw(in, p, lQ, fq), qw(in, p, lK, fk), qw(in, p, lV, fv)}, gs, bits);
+    qmm_float(xa, rows, E, {qw(in, p, lQ, fq), qw(in, p, lK, fk), qw(in, p, lV, fv)}, gs, bits);
   }
   float* outs[3] = {fq, fk, fv};
   const int widths[3] = {qd, kvd, kvd};
@@ -201,7 +207,10 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
       for (int r = 0; r < rows; ++r)
         for (int i = 0; i < widths[j]; ++i) outs[j][(size_t)r * widths[j] + i] += b[i];
     }
-  if (p.at[sQNorm] >= 0) {  // Qwen3 / Gemma 3: an RMSNorm over each head of q and k before RoPE
+  if (p.at[sQNorm] >= 0 && p.qk_whole) {  // OLMo: one RMSNorm over each row of q (Hq * D) and of k (Hkv * D)
+    norm_rows(p, in[p.at[sQNorm]], fq, fq, rows, qd, p.qk_eps, wtmp);
+    norm_rows(p, in[p.at[sKNorm]], fk, fk, rows, kvd, p.qk_eps, wtmp);
+  } else if (p.at[sQNorm] >= 0) {  // Qwen3 / Gemma 3: an RMSNorm over each head of q and k before RoPE
     norm_rows(p, in[p.at[sQNorm]], fq, fq, (size_t)rows * hq, d, p.qk_eps, wtmp);
     norm_rows(p, in[p.at[sKNorm]], fk, fk, (size_t)rows * hkv, d, p.qk_eps, wtmp);
   }
@@ -268,12 +277,16 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
     qmm_float(attn, rows, qd, {qw(in, p, lO, h)}, gs, bits);
   }
   for (size_t i = 0; i < n_xn; ++i) h[i] += xf[i];
-  norm_rows(p, in[p.at[sMlpNorm]], h, xn, rows, E, p.eps, wtmp);
+  const float* hm = h;  // the MLP's input: norm_m(h), or h itself (OLMo)
+  if (p.at[sMlpNorm] >= 0) {
+    norm_rows(p, in[p.at[sMlpNorm]], h, xn, rows, E, p.eps, wtmp);
+    hm = xn;
+  }
   if (fused_gu) {  // Phi-3: gate | up in one projection
-    qmm_float(xn, rows, E, {qw(in, p, lGateUp, g)}, gs, bits);
+    qmm_float(hm, rows, E, {qw(in, p, lGateUp, g)}, gs, bits);
     act_mul(p.act, g, g + I, g, rows, I, 2 * (size_t)I);
   } else {
-    qmm_float(xn, rows, E, {qw(in, p, lGate, g), qw(in, p, lUp, u)}, gs, bits);
+    qmm_float(hm, rows, E, {qw(in, p, lGate, g), qw(in, p, lUp, u)}, gs, bits);
     act_mul(p.act, g, u, g, rows, I, I);
   }
   float* y = out.data<float>();
@@ -345,8 +358,8 @@ int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std
   p.act = (int)get("activation"), p.window = (int)get("window"), p.traditional = get("traditional") != 0;
   p.base = (float)get("rope_base"), p.rope_scale = (float)get("rope_scale"), p.rope_mscale = (float)get("rope_mscale");
   p.attn_scale = (float)get("attn_scale"), p.eps = (float)get("norm_eps"), p.qk_eps = (float)get("qk_norm_eps");
-  p.norm_offset = (float)get("norm_offset");
-  if (config.size() != 16) fail("config has unknown keys");
+  p.norm_offset = (float)get("norm_offset"), p.qk_whole = get("qk_norm_whole") != 0;
+  if (config.size() != 17) fail("config has unknown keys");
   if (p.hq <= 0 || p.hkv <= 0 || p.d <= 0 || p.hq % p.hkv) fail("heads must be positive, n_heads a multiple of n_kv_heads");
   if (p.rope_dims < 0 || p.rope_dims % 2 || p.rope_dims > p.d) fail("rope dims must be even and <= head_dim");
   if (p.act != 0 && p.act != 1) fail("activation is 0 (silu) or 1 (gelu_tanh)");
@@ -366,7 +379,6 @@ int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std
   const bool one_gu = whole(lGateUp) && none(lGate) && none(lUp);
   if (!(sep_qkv || one_qkv) || !(sep_gu || one_gu) || !whole(lO) || !whole(lDown))
     fail("needs q, k, v (or qkv), o, gate, up (or gate_up) and down, each as weight, scales, biases");
-  if (p.at[sAttnNorm] < 0 || p.at[sMlpNorm] < 0) fail("needs attn_norm and mlp_norm");
   if ((p.at[sQNorm] < 0) != (p.at[sKNorm] < 0)) fail("q_norm and k_norm come together");
   if ((p.at[sQBias] < 0) != (p.at[sKBias] < 0) || (p.at[sQBias] < 0) != (p.at[sVBias] < 0) ||
       (p.at[sQBias] >= 0 && !sep_qkv))
@@ -412,8 +424,8 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::a
       fail(std::string(what) + " must be float32 (" + std::to_string(n) + ",)");
   };
   for (int s : {sAttnNorm, sAttnOutNorm, sMlpNorm, sMlpOutNorm}) vec(s, E, kNorms[s]);
-  vec(sQNorm, p.d, "q_norm");
-  vec(sKNorm, p.d, "k_norm");
+  vec(sQNorm, p.qk_whole ? qd : p.d, "q_norm");
+  vec(sKNorm, p.qk_whole ? kvd : p.d, "k_norm");
   vec(sQBias, qd, "q.bias");
   vec(sKBias, kvd, "k.bias");
   vec(sVBias, kvd, "v.bias");

@@ -1,6 +1,7 @@
 """The spec-driven whole-layer op (``decoder_layer``) against the same layer written in MLX ops: Gemma-style
-(sandwich 1 + w norms, q/k norms, GELU-tanh, sliding window) and Phi-style (fused qkv and gate_up, partial rotary
-with precomputed periods and an input scale) layers, batch 2, prefill chunks past the window, float16 caches."""
+(sandwich 1 + w norms, q/k norms, GELU-tanh, sliding window), Phi-style (fused qkv and gate_up, partial rotary
+with precomputed periods and an input scale) and OLMo-style (post norms only, q/k norms over the whole
+projection, YaRN-like periods and input scale) layers, batch 2, prefill chunks past the window, float16 caches."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ CASES = [
     (1, 5, 256, 384, 4, 2, 64, 64, 0, 64, 4, 16, "gemma", False),  # inside the window: plain causal
     (1, 4, 256, 512, 4, 4, 64, 48, 9, 32, 4, 0, "phi", False),     # fused qkv/gate_up, partial rotary, LongRoPE
     (2, 1, 256, 512, 4, 2, 64, 48, 9, 32, 8, 0, "phi", True),
+    (2, 6, 256, 384, 4, 2, 64, 64, 20, 64, 4, 8, "olmo", False),   # post norms, whole q/k norms, window
+    (1, 1, 256, 384, 8, 2, 32, 32, 11, 32, 4, 0, "olmo", True),
 ]
 
 
@@ -34,13 +37,18 @@ def _case_layer(case):
     def lin(name, shape):
         arrays[f"{name}.weight"], arrays[f"{name}.scales"], arrays[f"{name}.biases"] = q(shape)
 
-    if kind == "gemma":
+    if kind in ("gemma", "olmo"):
         for name, shape in (("q", (qd, E)), ("k", (kvd, E)), ("v", (kvd, E)), ("o", (E, qd)), ("gate", (I, E)),
                             ("up", (I, E)), ("down", (E, I))):
             lin(name, shape)
+    if kind == "gemma":
         for name in ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm"):
             arrays[name] = 0.1 * mx.random.normal((E,))
         arrays["q_norm"], arrays["k_norm"] = 0.1 * mx.random.normal((D,)), 0.1 * mx.random.normal((D,))
+    elif kind == "olmo":  # no pre norms; q/k norms as wide as the projections
+        for name, width in (("attn_out_norm", E), ("mlp_out_norm", E), ("q_norm", qd), ("k_norm", kvd)):
+            arrays[name] = 1 + 0.1 * mx.random.normal((width,))
+        arrays["rope_freqs"] = mx.power(10000.0, mx.arange(0, dims, 2) / dims) * (1 + mx.arange(dims // 2) / 5)
     else:
         for name, shape in (("qkv", (qd + 2 * kvd, E)), ("o", (E, qd)), ("gate_up", (2 * I, E)), ("down", (E, I))):
             lin(name, shape)
@@ -49,8 +57,9 @@ def _case_layer(case):
     config = {"group_size": gs, "bits": bits, "n_heads": hq, "n_kv_heads": hkv, "head_dim": D, "rope_dims": dims,
               "traditional": 0, "rope_base": 10000.0, "rope_scale": 1.0,
               "rope_mscale": 1.0 if kind == "gemma" else 1.19, "attn_scale": 0.1 if kind == "gemma" else D ** -0.5,
-              "norm_eps": 1e-6, "qk_norm_eps": 1e-6, "norm_offset": 1.0 if kind == "gemma" else 0.0,
-              "activation": 1 if kind == "gemma" else 0, "window": window}
+              "norm_eps": 1e-6, "qk_norm_eps": 1e-6, "qk_norm_whole": 1 if kind == "olmo" else 0,
+              "norm_offset": 1.0 if kind == "gemma" else 0.0, "activation": 1 if kind == "gemma" else 0,
+              "window": window}
     return arrays, config
 
 
@@ -68,6 +77,15 @@ def _reference(x, a, c, k_old, v_old, kind, causal):
         return mx.fast.rope(t, dims, traditional=False, base=None if freqs is not None else c["rope_base"],
                             scale=1.0, offset=k_old.shape[2], freqs=freqs)
 
+    if kind == "olmo":  # post norms only: the projections read x and h themselves
+        q = heads(mx.fast.rms_norm(mm(x, "q"), a["q_norm"], c["qk_norm_eps"]), hq)
+        k = heads(mx.fast.rms_norm(mm(x, "k"), a["k_norm"], c["qk_norm_eps"]), hkv)
+        q, k, v = rope(q), rope(k), heads(mm(x, "v"), hkv)
+        keys, values = mx.concatenate([k_old, k], axis=2), mx.concatenate([v_old, v], axis=2)
+        mask = create_causal_mask(L, k_old.shape[2], window_size=c["window"] or None) if L > 1 else None
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=c["attn_scale"], mask=mask)
+        h = x + norm(mm(o.transpose(0, 2, 1, 3).reshape(B, L, -1), "o"), "attn_out_norm")
+        return h + norm(mm(nn.silu(mm(h, "gate")) * mm(h, "up"), "down"), "mlp_out_norm"), keys, values
     xn = norm(x, "attn_norm")
     if kind == "gemma":
         q, k, v = heads(mm(xn, "q"), hq), heads(mm(xn, "k"), hkv), heads(mm(xn, "v"), hkv)
@@ -138,6 +156,18 @@ def test_plan_rejects_what_is_not_a_layer(native_ext):
     swapped[i], swapped[j] = swapped[j], swapped[i]  # arrays not in the plan's name order
     with pytest.raises(ValueError):
         native_ext.decoder_layer(x, swapped, kb, kb, 0, False, plan)
+
+
+def test_qk_norm_width_must_match_the_plan(native_ext):
+    """Whole-projection q/k norms (OLMo) and per-head ones (Qwen3, Gemma) differ by the plan's qk_norm_whole; a
+    weight of the other width is refused when the graph is built, not read past its end."""
+    arrays, config = _case_layer(CASES[5])
+    names = sorted(arrays)
+    x = mx.zeros((2, 1, 256))
+    kb = native_ext.kv_reserve([2, 2, 8, 64])
+    per_head = native_ext.decoder_layer_plan(names, {**{k: float(v) for k, v in config.items()}, "qk_norm_whole": 0.0})
+    with pytest.raises(ValueError, match="q_norm must be float32 \\(64,\\)"):
+        native_ext.decoder_layer(x, [arrays[n] for n in names], kb, kb, 0, False, per_head)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]])
