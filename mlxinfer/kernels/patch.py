@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import RotatingKVCache
 
 from mlxinfer.engine.backend import backend
 from mlxinfer.errors import InvalidParameter, MlxinferError
@@ -190,11 +191,17 @@ def _native_takes(m: nn.Module, dtype) -> bool:
 
 
 def _windowed_layers(model: nn.Module) -> frozenset:
-    """Indexes in ``model.layers`` of the sliding-window layers, when every one of them runs as one op (their
-    RotatingKVCaches then become InPlaceRotatingKVCaches the op writes in place), else none."""
+    """Indexes in ``model.layers`` of the sliding-window layers (those the model's own ``make_cache`` gives a
+    ``RotatingKVCache``: gemma3_text's local layers, olmo3's sliding ones), when every one of them runs as one op
+    with a window (their caches then become InPlaceRotatingKVCaches the op writes in place), else none."""
     blocks = list(getattr(model, "layers", None) or [])
-    sliding = [i for i, b in enumerate(blocks) if getattr(getattr(b, "self_attn", None), "is_sliding", False)]
-    if sliding and all(fused_block.is_one_op(blocks[i]) and fused_block.window_of(blocks[i]) for i in sliding):
+    own = getattr(type(model), "make_cache", None)
+    if own is None or not blocks:
+        return frozenset()
+    caches = own(model)
+    sliding = [i for i, c in enumerate(caches) if type(c) is RotatingKVCache and c.keep == 0]
+    if sliding and len(caches) == len(blocks) and all(
+            fused_block.is_one_op(blocks[i]) and fused_block.window_of(blocks[i]) for i in sliding):
         return frozenset(sliding)
     return frozenset()
 

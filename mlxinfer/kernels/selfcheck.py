@@ -98,7 +98,8 @@ POSITION_ATTRS = frozenset({"layer_idx", "layer_id", "idx"})
 
 def _signature(m: nn.Module, names_read: dict) -> tuple:
     """What makes two modules compute alike: classes, scalar settings and parameter shapes of the whole subtree
-    (position attributes that no code of the subtree reads left out; ``names_read`` memoises ``_names_read``)."""
+    (position attributes that no code of the subtree reads left out; ``names_read`` memoises ``_names_read``),
+    and the one-op layer's LayerSpec when it has one."""
     subs = list(m.named_modules())
     read = set()
     for _, sub in subs:
@@ -114,7 +115,10 @@ def _signature(m: nn.Module, names_read: dict) -> tuple:
                                and k not in unread))
         parts.append((path, type(sub), scalars))
     shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in tree_flatten(m.parameters()))
-    return tuple(parts), shapes
+    # The one-op layer's own description (its window, rope, ...): what it computes may differ where the modules
+    # do not (olmo3's sliding and full layers differ only in a list on the block's args).
+    plan = m.__dict__.get("_native_plan")
+    return tuple(parts), shapes, plan.spec if plan is not None else None
 
 
 def _names_read(cls: type) -> frozenset:

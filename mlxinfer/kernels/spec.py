@@ -2,7 +2,7 @@
 
 The native one-op layer (``decoder_layer`` in cpu_kernels/src/layer.cpp) runs whatever a LayerSpec describes:
 
-  a = attn(norm_a(x)),  h = x + (norm_ao(a) if sandwich else a),  m = mlp(norm_m(h)),  y = h + (norm_mo(m) | m)
+  a = attn(norm_a(x) | x),  h = x + (norm_ao(a) | a),  m = mlp(norm_m(h) | h),  y = h + (norm_mo(m) | m)
 
 with the knobs below. Its weights travel BY NAME: :attr:`LayerSpec.weights` lists (slot name, path in the block),
 the op resolves the names once (``decoder_layer_plan``) and no position order exists anywhere else.
@@ -10,8 +10,8 @@ the op resolves the names once (``decoder_layer_plan``) and no position order ex
 ``BUILDERS`` maps an mlx-lm block class (module, class name; looked up by identity, for the versions in
 ``eligibility.VALIDATED_MLX_LM``) to the function that reads one block instance into a spec, or gives the one-line
 reason it cannot. Each builder reads the maths of that class' code in mlx-lm 0.32 (llama, qwen2, qwen3,
-qwen3_moe, gemma3_text, phi3; SmolLM3 and Mistral run llama's classes). What a builder cannot see (a method
-changed under the same class) the load-time self-check (``kernels.selfcheck``) catches.
+qwen3_moe, gemma3_text, phi3, olmo2, olmo3; SmolLM3 and Mistral run llama's classes). What a builder cannot see
+(a method changed under the same class) the load-time self-check (``kernels.selfcheck``) catches.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class RopeSpec:
     traditional: bool = False      # interleaved pairs (else halves, "neox")
     base: float = 10000.0          # unused when freqs_path is set
     scale: float = 1.0             # position scale (linear scaling: 1 / factor)
-    input_scale: float = 1.0       # Phi-3 SuScaled/LongRoPE: the rotated dims are multiplied by this first
-    freqs_path: str = ""           # a precomputed periods array in the block (Llama-3, SuScaled): its path
+    input_scale: float = 1.0       # Phi-3 SuScaled/LongRoPE, YaRN: the rotated dims are multiplied by this first
+    freqs_path: str = ""           # a precomputed periods array in the block (Llama-3, SuScaled, YaRN): its path
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,11 @@ class LayerSpec:
     bits: int
     weights: tuple                 # ((slot name, dotted path in the block), ...): what the op gets, by name
     norm_eps: float                # every hidden-state RMSNorm of the layer
-    norm_placement: str = "pre"    # "pre" (llama) or "sandwich" (Gemma: norms after attention and MLP too)
+    norm_placement: str = "pre"    # "pre" (llama), "sandwich" (Gemma: norms after attention and MLP too) or "post"
+                                   # (OLMo: only after them); the norms' weights in `weights` say the same
     norm_offset: float = 0.0       # 1.0: the norms multiply by 1 + stored weight (Gemma)
-    qk_norm_eps: float = 0.0       # per-head q/k RMSNorms (when their weights are in `weights`)
+    qk_norm_eps: float = 0.0       # q/k RMSNorms (when their weights are in `weights`)
+    qk_norm_whole: bool = False    # the q/k norms span each row's whole projection (OLMo), not each head
     activation: str = SILU         # MLP: act(gate) * up
     rope: Optional[RopeSpec] = None  # None: a NoPE layer
     attn_scale: float = 1.0
@@ -84,7 +86,8 @@ class LayerSpec:
                 "n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "rope_dims": rope.dims,
                 "traditional": float(rope.traditional), "rope_base": rope.base, "rope_scale": rope.scale,
                 "rope_mscale": rope.input_scale, "attn_scale": self.attn_scale, "norm_eps": self.norm_eps,
-                "qk_norm_eps": self.qk_norm_eps, "norm_offset": self.norm_offset,
+                "qk_norm_eps": self.qk_norm_eps, "qk_norm_whole": float(self.qk_norm_whole),
+                "norm_offset": self.norm_offset,
                 "activation": float(_ACTIVATIONS.index(self.activation)), "window": float(self.sliding_window)}
 
 
@@ -131,7 +134,7 @@ def _quant(q: list) -> Optional[str]:
 
 def _rope(rope) -> Union[RopeSpec, None, str]:
     """The RopeSpec of an mlx-lm rope module, None for SmolLM3's NoPE, or why not."""
-    from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
+    from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
     cls = type(rope)
     if builtin_class(cls) is nn.RoPE:
@@ -140,6 +143,10 @@ def _rope(rope) -> Union[RopeSpec, None, str]:
         return RopeSpec(dims=rope.dims, traditional=rope.traditional, freqs_path="self_attn.rope._freqs")
     if cls is SuScaledRoPE and isinstance(getattr(rope, "_freqs", None), mx.array):
         return RopeSpec(dims=rope.dim, input_scale=float(rope._scale), freqs_path="self_attn.rope._freqs")
+    if cls is YarnRoPE and isinstance(getattr(rope, "_freqs", None), mx.array):
+        # x[..., :dims] *= mscale, then mx.fast.rope with the precomputed periods (scale 1: the callers pass none)
+        return RopeSpec(dims=rope.dims, traditional=rope.traditional, input_scale=float(rope.mscale),
+                        freqs_path="self_attn.rope._freqs")
     if cls.__name__ == "NoPE" and cls.__module__ == "mlx_lm.models.smollm3":
         return None
     return f"RoPE {cls.__name__} is not one the op computes"
@@ -250,6 +257,49 @@ def _phi3(block, window: int) -> Built:
                      tuple(weights), eps.pop(), rope=rope, attn_scale=float(attn.scale))
 
 
+def _olmo(block, _model_window: int, family: str) -> Built:
+    """olmo2 / olmo3: no pre norms, an RMSNorm after attention and after the MLP (post placement), q/k RMSNorms
+    over each row's whole projection before the head split, SwiGLU. olmo3's sliding layers (``layer_types``) get a
+    RotatingKVCache of ``args.sliding_window`` and a window mask from the model; its full layers may use YaRN. The
+    window comes from the block's own ``args`` (olmo3 blocks keep them), not from the model."""
+    attn, args = block.self_attn, block.args
+    if not has_role(block.mlp, MLP_SWIGLU):
+        return "MLP is not the SwiGLU MLP class"
+    q: list = []
+    weights = [("attn_out_norm", "post_attention_layernorm.weight"),
+               ("mlp_out_norm", "post_feedforward_layernorm.weight"),
+               ("q_norm", "self_attn.q_norm.weight"), ("k_norm", "self_attn.k_norm.weight")]
+    for name, path in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                       ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+                       ("down", "mlp.down_proj")):
+        weights += _linear(block, path, name, q)
+    why = _quant(q)
+    if why or any("bias" in x for x in q):
+        return why or "projections with a bias"
+    eps = {_rms(block.post_attention_layernorm), _rms(block.post_feedforward_layernorm)}
+    qk = {_rms(attn.q_norm), _rms(attn.k_norm)}
+    if None in eps or None in qk or len(eps) != 1 or len(qk) != 1:
+        return "norms are not RMSNorms with one eps per kind"
+    n_heads = attn.num_attention_heads if family == "olmo3" else attn.n_heads
+    n_kv_heads = attn.num_key_value_heads if family == "olmo3" else attn.n_kv_heads
+    if attn.q_norm.weight.shape[0] != n_heads * attn.head_dim:
+        return "q/k norms are not over the whole projection"
+    rope = _rope(attn.rope)
+    if rope is None or isinstance(rope, str):
+        return rope or "no RoPE"
+    if rope.freqs_path:
+        weights.append(("rope_freqs", rope.freqs_path))
+    if family == "olmo3" and args.layer_types[attn.layer_idx] != "full_attention":
+        window = int(args.sliding_window)
+        if window <= 0:
+            return "sliding layer without a known window"
+    else:
+        window = 0
+    return LayerSpec(family, n_heads, n_kv_heads, attn.head_dim, q[0].group_size, q[0].bits, tuple(weights),
+                     eps.pop(), norm_placement="post", qk_norm_eps=qk.pop(), qk_norm_whole=True, rope=rope,
+                     attn_scale=float(attn.scale), sliding_window=window)
+
+
 # (mlx_lm.models module, block class name) -> builder. Mistral and SmolLM2/SmolLM3 run llama's classes.
 BUILDERS: dict[tuple[str, str], Callable[[nn.Module, int], Built]] = {
     ("llama", "TransformerBlock"): lambda b, w: _prenorm(b, w, "llama"),
@@ -258,6 +308,8 @@ BUILDERS: dict[tuple[str, str], Callable[[nn.Module, int], Built]] = {
     ("qwen3_moe", "Qwen3MoeDecoderLayer"): lambda b, w: _prenorm(b, w, "qwen3_moe", qk_norm=True),
     ("gemma3_text", "TransformerBlock"): _gemma3,
     ("phi3", "TransformerBlock"): _phi3,
+    ("olmo2", "TransformerBlock"): lambda b, w: _olmo(b, w, "olmo2"),
+    ("olmo3", "Olmo3DecoderLayer"): lambda b, w: _olmo(b, w, "olmo3"),
 }
 
 

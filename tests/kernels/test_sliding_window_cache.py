@@ -1,7 +1,7 @@
-"""Gemma 3's sliding-window layers on the one-op path keep only their window (``kv_cache.InPlaceRotatingKVCache``):
-buffers O(window) after hundreds of decode steps while the global layer's grow, logits still those of MLX's
-built-ins (mlx-lm's RotatingKVCache) over prefill, decode, a second prefill past the window, trim and a restored
-state, and a state someone took is never changed by later in-place writes.
+"""Sliding-window layers (Gemma 3's local layers, OLMo 3's sliding ones) on the one-op path keep only their window
+(``kv_cache.InPlaceRotatingKVCache``): buffers O(window) after hundreds of decode steps while the global layer's
+grow, logits still those of MLX's built-ins (mlx-lm's RotatingKVCache) over prefill, decode, a second prefill past
+the window, trim and a restored state, and a state someone took is never changed by later in-place writes.
 
 Tolerance: as tests/kernels/test_spec_layers.py with MLXINFER_KV_DTYPE=float32 and float32 prefill (measured there ~1e-4 relative to
 the largest |logit| with the int16-activation decode matvec); a wrong window or position gives 1e-1 and more.
@@ -30,10 +30,11 @@ PROMPT = [1, 17, 923, 4, 88, 1203, 5, 77, 311, 9, 40, 2048, 3, 61, 500, 12, 7, 1
 TURN = [5, 600, 42, 7, 1500, 3, 88, 19, 230, 4, 71, 12, 900, 6, 33, 2, 450, 8, 61, 17]  # a second prefill (20)
 
 
-@pytest.fixture()
-def model(native, monkeypatch, float_prefill):
+@pytest.fixture(params=["gemma3_text", "olmo3"])
+def model(native, monkeypatch, float_prefill, request):
+    """A tiny model whose layer 0 is a sliding-window layer (window WINDOW) and layer 1 a global one."""
     monkeypatch.setenv("MLXINFER_KV_DTYPE", "float32")
-    m = tiny_arch.make_model("gemma3_text", overrides={"sliding_window": WINDOW})
+    m = tiny_arch.make_model(request.param, overrides={"sliding_window": WINDOW})
     yield m
     patch.apply_kernels(m, "builtin")
 

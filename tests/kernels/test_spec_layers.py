@@ -1,6 +1,6 @@
 """The spec-driven one-op decoder layer (``kernels.spec`` + ``decoder_layer``) per architecture: the spec read from
 each mlx-lm block class, fused vs MLX built-in logits over a prefill and 32 decode steps, and the self-check
-refusing a changed gemma3 / phi3 class.
+refusing a changed gemma3 / phi3 / olmo2 / olmo3 class.
 
 Tolerance: the fused path differs from MLX's by rounding only. Measured on these tiny models (AVX2, max abs logit
 difference relative to the largest |logit|, prefill + 32 decode steps): 1.3e-4 to 7.8e-4 with the default
@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as cache_lib
-from mlx_lm.models import gemma3_text, phi3
+from mlx_lm.models import gemma3_text, olmo2, olmo3, phi3
 
 from mlxinfer.kernels import fused_block, patch, selfcheck, spec
 from mlxinfer.native import int8_activations
@@ -37,10 +37,10 @@ REL_TOL = {"float16": 5e-3, "float32": 5e-4}
 INT8_REL_TOL = 5e-2
 DECODE_STEPS = 32
 PROMPT = [1, 17, 923, 4, 88, 1203, 5, 77, 311, 9, 40, 2048, 3, 61, 500, 12, 7, 1999, 25, 8, 640, 33, 2, 91]
-# Gemma with a window of 16 so that the 24-token prompt and the decode steps both run past it.
+# Sliding windows of 16 so that the 24-token prompt and the decode steps both run past them.
 CASES = {
     "llama": {}, "qwen2": {}, "qwen3": {}, "smollm3": {}, "phi3": {}, "phi4_mini": {},
-    "gemma3_text": {"sliding_window": 16},
+    "gemma3_text": {"sliding_window": 16}, "olmo2": {}, "olmo3": {"sliding_window": 16},
 }
 
 
@@ -133,6 +133,19 @@ def test_phi3_spec_reads_the_class():
     assert plain.rope.dims == 16 and plain.rope.freqs_path == "" and plain.rope.input_scale == 1.0
 
 
+def test_olmo_specs_read_the_classes():
+    """olmo2 / olmo3: post norms only, whole-width q/k norms; olmo3's sliding layer has its window and plain RoPE,
+    its full layer YaRN (periods and an input scale)."""
+    s = spec.spec_of(model_for("olmo2").layers[0])
+    assert s.norm_placement == "post" and s.qk_norm and s.qk_norm_whole and s.rope.freqs_path == ""
+    assert {"attn_out_norm", "mlp_out_norm"} <= set(s.names()) and not {"attn_norm", "mlp_norm"} & set(s.names())
+    sliding, full = (spec.spec_of(b) for b in model_for("olmo3").layers)
+    assert sliding.sliding_window == 16 and full.sliding_window == 0
+    assert sliding.rope.freqs_path == "" and sliding.rope.input_scale == 1.0
+    assert full.rope.freqs_path == "self_attn.rope._freqs" and full.rope.input_scale > 1.0  # YaRN's mscale
+    assert "rope_freqs" in full.names() and s.config()["qk_norm_whole"] == 1.0
+
+
 def test_smollm3_nope_layers():
     a, b = (spec.spec_of(layer) for layer in model_for("smollm3").layers)
     assert a.rope is not None and b.rope is None  # no_rope_layer_interval 2: layer 1 has no RoPE
@@ -177,16 +190,46 @@ def _with_bias(original):
     return __call__
 
 
+def _olmo_per_head_qk_norm(original):
+    # q/k normalised per head (Qwen3's way) instead of over the whole projection: the norm weight would not even
+    # fit, so the changed attention applies the first head_dim entries per head.
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        d = self.head_dim
+        q = mx.fast.rms_norm(self.q_proj(x).reshape(B, L, -1, d), self.q_norm.weight[:d], self.q_norm.eps)
+        k = mx.fast.rms_norm(self.k_proj(x).reshape(B, L, -1, d), self.k_norm.weight[:d], self.k_norm.eps)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, -1, d).transpose(0, 2, 1, 3)
+        if cache is not None:
+            q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+        else:
+            q, k = self.rope(q), self.rope(k)
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    return __call__
+
+
+_BLOCKS = {"gemma3_text": gemma3_text.TransformerBlock, "phi3": phi3.TransformerBlock,
+           "olmo2": olmo2.TransformerBlock, "olmo3": olmo3.Olmo3DecoderLayer}
+
+
 @pytest.mark.parametrize("name,change", [("gemma3_text", "silu mlp"), ("gemma3_text", "added bias"),
-                                         ("phi3", "gelu mlp"), ("phi3", "added bias")])
+                                         ("phi3", "gelu mlp"), ("phi3", "added bias"), ("olmo2", "added bias"),
+                                         ("olmo2", "per-head q/k norms"), ("olmo3", "added bias")])
 def test_selfcheck_refuses_changed_classes(native, float_prefill, monkeypatch, name, change):
-    mod = gemma3_text if name == "gemma3_text" else phi3
+    block = _BLOCKS[name]
     if change == "silu mlp":
         monkeypatch.setattr(gemma3_text.MLP, "__call__", _silu_mlp)
     elif change == "gelu mlp":
         monkeypatch.setattr(phi3.MLP, "__call__", _phi3_gelu_mlp)
+    elif change == "per-head q/k norms":
+        monkeypatch.setattr(olmo2.Attention, "__call__", _olmo_per_head_qk_norm(olmo2.Attention.__call__))
     else:
-        monkeypatch.setattr(mod.TransformerBlock, "__call__", _with_bias(mod.TransformerBlock.__call__))
+        monkeypatch.setattr(block, "__call__", _with_bias(block.__call__))
     model = model_for(name)
     patch.apply_kernels(model, "builtin")
     tokens = greedy(model)[:4]
@@ -200,12 +243,13 @@ def test_selfcheck_refuses_changed_classes(native, float_prefill, monkeypatch, n
     patch.apply_kernels(model, "builtin")
 
 
-def test_gemma3_batched_rows_match_alone(native, monkeypatch):
+@pytest.mark.parametrize("name", ["gemma3_text", "olmo3"])
+def test_sliding_batched_rows_match_alone(native, monkeypatch, name):
     """The server's way (rows prefilled alone, merged by mlx-lm: a BatchKVCache, for the sliding layers' rotating
     caches a BatchRotatingKVCache; decoded together) past the sliding window: the batched sliding layers run per
     op (mlx-lm's), each row still gets its own greedy tokens."""
     monkeypatch.setenv("MLXINFER_KV_DTYPE", "float32")
-    model = model_for("gemma3_text")
+    model = model_for(name)
     assert "2 decoder layers as one op" in patch.apply_kernels(model, "auto").detail
     prompts, steps = [PROMPT, PROMPT[5:15]], 20
 
