@@ -27,7 +27,7 @@ import numpy as np
 class Arch:
     """The shapes of a model, from its Hugging Face config.json."""
 
-    gguf_arch: str  # llama / qwen3 / gemma3 / phi3
+    gguf_arch: str  # llama / qwen3 / gemma3 / phi3 / olmo2
     source: str  # the model whose config.json these values copy
     hidden: int
     layers: int
@@ -59,6 +59,8 @@ ARCHS: dict[str, Arch] = {
     # LongRoPE left out (its factors change RoPE's frequencies, not the cost), so the context is the original 4k
     "phi4-mini": Arch("phi3", "microsoft/Phi-4-mini-instruct", 3072, 32, 24, 8, 128, 8192, 200064, 10000.0, 1e-5,
                       4096, rotary_dims=96),
+    "olmo2-1b": Arch("olmo2", "allenai/OLMo-2-0425-1B", 2048, 16, 16, 16, 128, 8192, 100352, 500000.0, 1e-6, 4096,
+                     tied=False),
 }
 SWA_PATTERN = 6  # gemma3: layers 5, 11, 17, ... attend globally (llama.cpp and mlx-lm both fix it at 6)
 QTYPES = ("Q4_0", "Q4_1")
@@ -103,10 +105,10 @@ def tensors(a: Arch) -> list[tuple[str, tuple[int, ...], str]]:
     out.append(("output_norm.weight", (a.hidden,), "model.norm.weight"))
     if a.llama3_rope:
         out.append(("rope_freqs.weight", (a.head_dim // 2,), ""))
-    gemma, phi = a.gguf_arch == "gemma3", a.gguf_arch == "phi3"
+    gemma, phi, olmo = a.gguf_arch == "gemma3", a.gguf_arch == "phi3", a.gguf_arch == "olmo2"
     for i in range(a.layers):
         hf = f"model.layers.{i}."
-        blk = [("attn_norm", (a.hidden,), "input_layernorm")]
+        blk = [] if olmo else [("attn_norm", (a.hidden,), "input_layernorm")]  # OLMo 2: no pre norms
         if phi:
             blk.append(("attn_qkv", (q + 2 * kv, a.hidden), "self_attn.qkv_proj"))
         else:
@@ -115,8 +117,12 @@ def tensors(a: Arch) -> list[tuple[str, tuple[int, ...], str]]:
         if a.gguf_arch in ("qwen3", "gemma3"):
             blk += [("attn_q_norm", (a.head_dim,), "self_attn.q_norm"),
                     ("attn_k_norm", (a.head_dim,), "self_attn.k_norm")]
+        if olmo:  # over the whole projection
+            blk += [("attn_q_norm", (q,), "self_attn.q_norm"), ("attn_k_norm", (kv,), "self_attn.k_norm")]
         blk.append(("attn_output", (a.hidden, q), "self_attn.o_proj"))
-        if gemma:
+        if olmo:
+            blk.append(("post_attention_norm", (a.hidden,), "post_attention_layernorm"))
+        elif gemma:
             blk += [("post_attention_norm", (a.hidden,), "post_attention_layernorm"),
                     ("ffn_norm", (a.hidden,), "pre_feedforward_layernorm"),
                     ("post_ffw_norm", (a.hidden,), "post_feedforward_layernorm")]
@@ -127,6 +133,8 @@ def tensors(a: Arch) -> list[tuple[str, tuple[int, ...], str]]:
         else:
             blk += [("ffn_gate", (a.ffn, a.hidden), "mlp.gate_proj"), ("ffn_up", (a.ffn, a.hidden), "mlp.up_proj")]
         blk.append(("ffn_down", (a.hidden, a.ffn), "mlp.down_proj"))
+        if olmo:
+            blk.append(("post_ffw_norm", (a.hidden,), "post_feedforward_layernorm"))
         out += [(f"blk.{i}.{name}.weight", shape, f"{hf}{h}.weight") for name, shape, h in blk]
     return out
 
@@ -272,6 +280,8 @@ def hf_config(a: Arch) -> dict:
                    sliding_window_pattern=SWA_PATTERN, query_pre_attn_scalar=a.head_dim)
     elif a.gguf_arch == "phi3":
         cfg.update(model_type="phi3", partial_rotary_factor=(a.rotary_dims or a.head_dim) / a.head_dim)
+    elif a.gguf_arch == "olmo2":
+        cfg["model_type"] = "olmo2"
     return cfg
 
 

@@ -18,6 +18,7 @@ ARCHS = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
     "phi3": ("phi3", "Phi3ForCausalLM", False),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM", False),
 }
 # Per-architecture GGUF block tensor names that differ from the llama mapping.
 BLOCK_NAMES = {
@@ -25,6 +26,8 @@ BLOCK_NAMES = {
                "post_ffw_norm": "post_feedforward_layernorm"},
     # Phi-3 / Phi-4-mini: fused q/k/v rows, and gate rows then up rows in one ffn_up (llama.cpp's SwiGLU split)
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # OLMo 2: norms after attention and after the MLP only (its q/k norms span the whole projection)
+    "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
 # llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight; Gemma's by 1 + w)
 NORM_SHIFT = {"gemma3": 1.0}

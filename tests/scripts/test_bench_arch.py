@@ -1,6 +1,6 @@
 """scripts/bench_arch.py: the random GGUFs ``cpu_bench.py --arch`` feeds both engines, at test size.
 
-Per architecture (llama with Llama-3 RoPE factors, qwen3, gemma3, phi3) and 4-bit type: mlxinfer's GGUF import
+Per architecture (llama with Llama-3 RoPE factors, qwen3, gemma3, phi3, olmo2) and 4-bit type: mlxinfer's GGUF import
 of the written file gives the logits of the mlx-lm model built independently from the table's config and the
 file's dequantized weights — over a prompt and decode steps, with built-in and with native kernels. The
 llama.cpp comparison runs only where --llama-python's venv has llama_cpp (MLXINFER_LLAMA_PYTHON).
@@ -78,7 +78,8 @@ def test_import_matches_the_reference_model(tmp_path, key, qtype):
 
 # parameter counts of the real checkpoints (safetensors totals, tied embeddings counted once)
 PUBLISHED = {"smollm2-135m": 134_515_008, "llama-3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920,
-             "gemma3-270m": 268_098_176, "gemma3-1b": 999_885_952, "phi4-mini": 3_836_021_760}
+             "gemma3-270m": 268_098_176, "gemma3-1b": 999_885_952, "phi4-mini": 3_836_021_760,
+             "olmo2-1b": 1_484_916_736}  # olmo2: its config's shapes summed; the model card says 1.48B
 
 
 @pytest.mark.parametrize("key", list(bench_arch.ARCHS))
@@ -120,7 +121,8 @@ def _llama_cpp() -> bool:
 
 
 @pytest.mark.skipif(not _llama_cpp(), reason=f"no llama-cpp-python at {LLAMA_PYTHON}")
-@pytest.mark.parametrize("key", ["smollm2-135m", "llama-3.2-1b", "qwen3-0.6b", "gemma3-270m", "phi4-mini"])
+@pytest.mark.parametrize("key", ["smollm2-135m", "llama-3.2-1b", "qwen3-0.6b", "gemma3-270m", "phi4-mini",
+                                 "olmo2-1b"])
 def test_llama_cpp_reads_the_same_model(tmp_path, key, float_prefill):
     """The file is the ground truth for both engines: llama.cpp's logits agree with mlxinfer's (llama.cpp
     quantizes activations to 8 bits for its 4-bit dot products: a few % of the logit spread). mlxinfer's native
