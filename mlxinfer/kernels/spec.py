@@ -132,6 +132,24 @@ def _quant(q: list) -> Optional[str]:
     return None
 
 
+# The separate q/k/v/o and gate/up/down projections of most families: (slot name, path in the block).
+_SEPARATE = (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+             ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
+
+
+def _linears(block, paths=_SEPARATE, *, biases: bool = False) -> tuple:
+    """(weight slots, the linear modules, why not or None) for the projections at ``paths``; ``biases``: a
+    projection may carry a bias (the builder then decides which may)."""
+    q: list = []
+    weights: list = []
+    for name, path in paths:
+        weights += _linear(block, path, name, q)
+    why = _quant(q)
+    if not why and not biases and any("bias" in x for x in q):
+        why = "projections with a bias"
+    return weights, q, why
+
+
 def _rope(rope) -> Union[RopeSpec, None, str]:
     """The RopeSpec of an mlx-lm rope module, None for SmolLM3's NoPE, or why not."""
     from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
@@ -152,6 +170,17 @@ def _rope(rope) -> Union[RopeSpec, None, str]:
     return f"RoPE {cls.__name__} is not one the op computes"
 
 
+def _rope_slots(rope, weights: list, *, nope: bool = False) -> Union[RopeSpec, None, str]:
+    """``_rope(rope)``, its periods array added to ``weights`` when it has one; a NoPE layer (None) only where
+    ``nope``, else the reason."""
+    spec = _rope(rope)
+    if spec is None and not nope:
+        return "no RoPE"
+    if isinstance(spec, RopeSpec) and spec.freqs_path:
+        weights.append(("rope_freqs", spec.freqs_path))
+    return spec
+
+
 def _rms(m, cls=nn.RMSNorm) -> Optional[float]:
     return float(m.eps) if isinstance(m, cls) else None
 
@@ -163,15 +192,10 @@ def _prenorm(block, window: int, family: str, *, qk_norm: bool = False) -> Built
     attn, mlp = block.self_attn, block.mlp
     if not has_role(mlp, MLP_SWIGLU):
         return "MLP is not the SwiGLU MLP class (e.g. a mixture of experts)"
-    q: list = []
-    weights = [("attn_norm", "input_layernorm.weight"), ("mlp_norm", "post_attention_layernorm.weight")]
-    for name, path in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
-                       ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
-                       ("down", "mlp.down_proj")):
-        weights += _linear(block, path, name, q)
-    why = _quant(q)
+    linears, q, why = _linears(block, biases=True)
     if why:
         return why
+    weights = [("attn_norm", "input_layernorm.weight"), ("mlp_norm", "post_attention_layernorm.weight")] + linears
     with_bias = ["bias" in x for x in q]
     if any(with_bias[3:]) or with_bias[:3] not in ([False] * 3, [True] * 3):
         return "biases on other projections than q/k/v"
@@ -188,11 +212,9 @@ def _prenorm(block, window: int, family: str, *, qk_norm: bool = False) -> Built
         weights += [("q_norm", "self_attn.q_norm.weight"), ("k_norm", "self_attn.k_norm.weight")]
         qk_eps = qk.pop()
     head_dim = q[0]["weight"].shape[0] // attn.n_heads
-    rope = _rope(attn.rope)
+    rope = _rope_slots(attn.rope, weights, nope=True)
     if isinstance(rope, str):
         return rope
-    if rope is not None and rope.freqs_path:
-        weights.append(("rope_freqs", rope.freqs_path))
     return LayerSpec(family, attn.n_heads, attn.n_kv_heads, head_dim, q[0].group_size, q[0].bits, tuple(weights),
                      eps.pop(), qk_norm_eps=qk_eps, rope=rope, attn_scale=float(attn.scale))
 
@@ -203,17 +225,12 @@ def _gemma3(block, window: int) -> Built:
     from mlx_lm.models import gemma3_text
 
     attn = block.self_attn
-    q: list = []
+    linears, q, why = _linears(block)
+    if why:
+        return why
     weights = [("attn_norm", "input_layernorm.weight"), ("attn_out_norm", "post_attention_layernorm.weight"),
                ("mlp_norm", "pre_feedforward_layernorm.weight"), ("mlp_out_norm", "post_feedforward_layernorm.weight"),
-               ("q_norm", "self_attn.q_norm.weight"), ("k_norm", "self_attn.k_norm.weight")]
-    for name, path in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
-                       ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
-                       ("down", "mlp.down_proj")):
-        weights += _linear(block, path, name, q)
-    why = _quant(q)
-    if why or any("bias" in x for x in q):
-        return why or "projections with a bias"
+               ("q_norm", "self_attn.q_norm.weight"), ("k_norm", "self_attn.k_norm.weight")] + linears
     norms = [block.input_layernorm, block.post_attention_layernorm, block.pre_feedforward_layernorm,
              block.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
     eps = {_rms(n, gemma3_text.RMSNorm) for n in norms}
@@ -221,9 +238,9 @@ def _gemma3(block, window: int) -> Built:
         return "norms are not gemma3's (1 + w) RMSNorms with one eps"
     if type(block.mlp) is not gemma3_text.MLP:
         return "MLP is not gemma3's GeGLU MLP class"
-    rope = _rope(attn.rope)
-    if rope is None or isinstance(rope, str):
-        return rope or "no RoPE"
+    rope = _rope_slots(attn.rope, weights)
+    if isinstance(rope, str):
+        return rope
     if not attn.is_sliding:
         window = 0
     elif window <= 0:
@@ -237,22 +254,17 @@ def _gemma3(block, window: int) -> Built:
 def _phi3(block, window: int) -> Built:
     """phi3 (Phi-3, Phi-4-mini): fused qkv_proj and gate_up_proj, partial rotary, SuScaled/LongRoPE."""
     attn = block.self_attn
-    q: list = []
-    weights = [("attn_norm", "input_layernorm.weight"), ("mlp_norm", "post_attention_layernorm.weight")]
-    for name, path in (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"), ("gate_up", "mlp.gate_up_proj"),
-                       ("down", "mlp.down_proj")):
-        weights += _linear(block, path, name, q)
-    why = _quant(q)
-    if why or any("bias" in x for x in q):
-        return why or "projections with a bias"
+    linears, q, why = _linears(block, (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"),
+                                       ("gate_up", "mlp.gate_up_proj"), ("down", "mlp.down_proj")))
+    if why:
+        return why
+    weights = [("attn_norm", "input_layernorm.weight"), ("mlp_norm", "post_attention_layernorm.weight")] + linears
     eps = {_rms(block.input_layernorm), _rms(block.post_attention_layernorm)}
     if None in eps or len(eps) != 1:
         return "norms are not two RMSNorms with one eps"
-    rope = _rope(attn.rope)
-    if rope is None or isinstance(rope, str):
-        return rope or "no RoPE"
-    if rope.freqs_path:
-        weights.append(("rope_freqs", rope.freqs_path))
+    rope = _rope_slots(attn.rope, weights)
+    if isinstance(rope, str):
+        return rope
     return LayerSpec("phi3", attn.n_heads, attn.n_kv_heads, attn.head_dim, q[0].group_size, q[0].bits,
                      tuple(weights), eps.pop(), rope=rope, attn_scale=float(attn.scale))
 
@@ -265,17 +277,12 @@ def _olmo(block, _model_window: int, family: str) -> Built:
     attn, args = block.self_attn, block.args
     if not has_role(block.mlp, MLP_SWIGLU):
         return "MLP is not the SwiGLU MLP class"
-    q: list = []
+    linears, q, why = _linears(block)
+    if why:
+        return why
     weights = [("attn_out_norm", "post_attention_layernorm.weight"),
                ("mlp_out_norm", "post_feedforward_layernorm.weight"),
-               ("q_norm", "self_attn.q_norm.weight"), ("k_norm", "self_attn.k_norm.weight")]
-    for name, path in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
-                       ("o", "self_attn.o_proj"), ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
-                       ("down", "mlp.down_proj")):
-        weights += _linear(block, path, name, q)
-    why = _quant(q)
-    if why or any("bias" in x for x in q):
-        return why or "projections with a bias"
+               ("q_norm", "self_attn.q_norm.weight"), ("k_norm", "self_attn.k_norm.weight")] + linears
     eps = {_rms(block.post_attention_layernorm), _rms(block.post_feedforward_layernorm)}
     qk = {_rms(attn.q_norm), _rms(attn.k_norm)}
     if None in eps or None in qk or len(eps) != 1 or len(qk) != 1:
@@ -284,11 +291,9 @@ def _olmo(block, _model_window: int, family: str) -> Built:
     n_kv_heads = attn.num_key_value_heads if family == "olmo3" else attn.n_kv_heads
     if attn.q_norm.weight.shape[0] != n_heads * attn.head_dim:
         return "q/k norms are not over the whole projection"
-    rope = _rope(attn.rope)
-    if rope is None or isinstance(rope, str):
-        return rope or "no RoPE"
-    if rope.freqs_path:
-        weights.append(("rope_freqs", rope.freqs_path))
+    rope = _rope_slots(attn.rope, weights)
+    if isinstance(rope, str):
+        return rope
     if family == "olmo3" and args.layer_types[attn.layer_idx] != "full_attention":
         window = int(args.sliding_window)
         if window <= 0:
