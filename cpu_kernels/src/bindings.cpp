@@ -25,6 +25,10 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.def("quantized_matmul", &mlxinfer_cpu::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         nb::kw_only(), "group_size"_a, "bits"_a, "residual"_a = nb::none(),
         "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True), + residual if given.");
+  m.def("gather_qmm", &mlxinfer_cpu::gather_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a, nb::kw_only(),
+        "group_size"_a, "bits"_a,
+        "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for affine-quantized experts "
+        "(float32 x), on the CPU stream.");
   m.def("swiglu", &mlxinfer_cpu::swiglu, "x"_a, "wg"_a, "sg"_a, "bg"_a, "wu"_a, "su"_a, "bu"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "norm_weight"_a = nb::none(), "norm_eps"_a = 0.f,
         "silu(x @ Wg.T) * (x @ Wu.T) with both weights quantized (one pass over x); x RMS-normalised first if "

@@ -19,6 +19,12 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                            const mx::array& biases, int group_size, int bits,
                            const std::optional<mx::array>& residual = std::nullopt);
 
+// mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) (affine): w (E, N, K * bits / 32) a stack
+// of quantized experts, x (..., M, K) float32 and indices (...) integer broadcast over their batch dims ->
+// (..., M, N) float32, batch element b multiplied by expert indices[b] (mlx-lm's QuantizedSwitchLinear).
+mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     const mx::array& indices, int group_size, int bits);
+
 // silu(x @ dequant(wg).T) * (x @ dequant(wu).T), both weights quantized like quantized_matmul's.
 // With norm_weight, x is RMS-normalised first (the block's post_attention_layernorm).
 mx::array swiglu(const mx::array& x, const mx::array& wg, const mx::array& sg, const mx::array& bg,

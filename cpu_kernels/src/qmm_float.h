@@ -9,10 +9,11 @@
 namespace mlxinfer_cpu {
 
 struct QWeight {
-  const mx::array* w;  // (N, K * bits / 32) uint32
+  const mx::array* w;  // (N, K * bits / 32) uint32, or (E, N, K * bits / 32) with expert >= 0
   const mx::array* scales;
   const mx::array* biases;
   float* out;  // (M, N) float32
+  int expert = -1;  // >= 0: w/scales/biases hold one weight per expert (leading dim E); this one multiplies
 };
 
 // out_i = x @ dequant(w_i).T for weights sharing K, group_size and bits (N may differ): x (..., K) is prepared

@@ -280,14 +280,16 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     QmmArgs& a = args[i];
     a.M = M;
     a.K = K;
-    a.N = ws[i].w->shape(0);
+    const bool expert = ws[i].expert >= 0;  // one (N, ...) slice of an (E, N, ...) stack: rows start e * N on
+    a.N = ws[i].w->shape(expert ? 1 : 0);
     a.group_size = group_size;
     a.bits = bits;
-    a.w = reinterpret_cast<const uint8_t*>(ws[i].w->data<uint32_t>());
-    a.scales = ws[i].scales->data<void>();
-    a.biases = ws[i].biases->data<void>();
     const mx::Dtype st = ws[i].scales->dtype();
     a.stype = st == mx::float32 ? ScaleType::f32 : st == mx::float16 ? ScaleType::f16 : ScaleType::bf16;
+    const size_t row0 = expert ? (size_t)ws[i].expert * a.N : 0, sitem = mx::size_of(st);
+    a.w = reinterpret_cast<const uint8_t*>(ws[i].w->data<uint32_t>()) + row0 * ((size_t)K * bits / 8);
+    a.scales = ws[i].scales->data<char>() + row0 * (K / group_size) * sitem;
+    a.biases = ws[i].biases->data<char>() + row0 * (K / group_size) * sitem;
     a.out = ws[i].out;
   }
   const int T = pool.size();

@@ -177,12 +177,15 @@ def _native_takes(m: nn.Module, dtype) -> bool:
     """Whether the kernels bound to quantized layer ``m`` run it with scales/biases of ``dtype`` and float32 x (a
     graph-building probe: the provider answers None for what it does not take, and nothing is evaluated)."""
     provider = m.__dict__.get("_kernel_provider")
-    if provider is None or type(m) not in (KernelQuantizedLinear, layers.KernelQuantizedEmbedding):
+    kinds = (KernelQuantizedLinear, layers.KernelQuantizedEmbedding, layers.KernelQuantizedSwitchLinear)
+    if provider is None or type(m) not in kinds:
         return False
     w, s, b = m["weight"], m["scales"].astype(dtype), m.get("biases")
     b = b.astype(dtype) if b is not None else None
     kw = {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
-    x = mx.zeros((1, w.shape[1] * 32 // m.bits), mx.float32)
+    x = mx.zeros((1, w.shape[-1] * 32 // m.bits), mx.float32)
+    if type(m) is layers.KernelQuantizedSwitchLinear:  # experts (E, N, K): one token through expert 0
+        return m.global_scale is None and provider.gather_qmm(x, w, s, b, mx.zeros((1,), mx.uint32), **kw) is not None
     if provider.quantized_matmul(x, w, s, b, **kw) is None:
         return False
     if type(m) is layers.KernelQuantizedEmbedding:  # MLX's own lookup would return rows in the scales' dtype

@@ -90,6 +90,19 @@ class EmbeddingKernel(Protocol):
 
 
 @runtime_checkable
+class ExpertKernel(Protocol):
+    def gather_qmm(
+        self, x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array], indices: mx.array, *,
+        group_size: int, bits: int, mode: str = "affine",
+    ) -> Optional[mx.array]:
+        """Same meaning as ``mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, ...)``: w a
+        stack of quantized experts (E, N, K), x (..., M, K) and indices (...) broadcast over their batch dims ->
+        (..., M, N), each batch element through its expert (mlx-lm's ``QuantizedSwitchLinear``). Return None when
+        not supported."""
+        ...
+
+
+@runtime_checkable
 class FusedAttention(Protocol):
     """The attention input side as one op, plus what the fused attention and blocks need around it:
     ``quantized_matmul(..., residual=r)`` (+ r, a skip connection), ``sdpa(..., heads_last=True, kv_len=n)``
@@ -173,6 +186,7 @@ class Capabilities:
     rms_norm: bool = False
     rope: bool = False
     embedding: bool = False
+    experts: bool = False          # ExpertKernel: a mixture of experts' quantized projections (gather_qmm)
     fused_attention: bool = False  # needs swiglu too: its blocks fold norms and skip connections into both
     kv_append: bool = False
     decoder_block: bool = False    # needs fused_attention: the blocks fall back to it per call
@@ -195,7 +209,7 @@ def capabilities(provider: Any) -> Capabilities:
     batched = has(BatchedPositions)
     return Capabilities(
         quantized_sdpa=has(QuantizedAttention), swiglu=swiglu, rms_norm=has(NormKernel), rope=has(RopeKernel),
-        embedding=has(EmbeddingKernel), fused_attention=fused, kv_append=has(KVAppend),
+        embedding=has(EmbeddingKernel), experts=has(ExpertKernel), fused_attention=fused, kv_append=has(KVAppend),
         decoder_block=block, batched=batched,
         # A left-padded batch through the one-op layer: decoder_layer(..., starts=), each row's first key.
         batched_block=block and batched and _accepts(provider.decoder_layer, ("starts",)),

@@ -40,6 +40,17 @@ class NativeCpuProvider:
         except _REJECTED:
             return None
 
+    def gather_qmm(self, x, w, scales, biases, indices, *, group_size: int, bits: int,
+                   mode: str = "affine") -> Optional[mx.array]:
+        """A mixture of experts' projection (``mx.gather_qmm(..., rhs_indices=indices, transpose=True)``):
+        float32 x (..., M, K), w (E, N, K) affine 4/8-bit, indices (...) -> (..., M, N)."""
+        if mode != "affine" or biases is None:
+            return None
+        try:
+            return self._ext.gather_qmm(x, w, scales, biases, indices, group_size=group_size, bits=bits)
+        except _REJECTED:
+            return None
+
     def swiglu(self, x, gate, up, *, group_size: int, bits: int, norm_weight=None,
                norm_eps: float = 0.0) -> Optional[mx.array]:
         """silu(x @ Wg.T) * (x @ Wu.T) in one primitive: both matvecs share one pass over x and one pool job;
