@@ -124,17 +124,9 @@ void NativeGatherQmm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
 
 mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                      const mx::array& indices, int group_size, int bits) {
-  if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
-  if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
   if (x.dtype() != mx::float32 || x.ndim() < 2) fail("x must be float32 (..., M, K)");
-  if (w.dtype() != mx::uint32 || w.ndim() != 3) fail("w must be a 3-D uint32 array (experts, N, K * bits / 32)");
-  const int E = w.shape(0), N = w.shape(1), K = w.shape(2) * 32 / bits;
-  if (x.shape(-1) != K) fail("x's last dim does not match the experts' weights");
-  if (K % group_size) fail("K must be a multiple of group_size");
-  const mx::Shape sshape{E, N, K / group_size};
-  if (scales.shape() != sshape || biases.shape() != sshape || scales.dtype() != biases.dtype() ||
-      (scales.dtype() != mx::float32 && scales.dtype() != mx::float16 && scales.dtype() != mx::bfloat16))
-    fail("scales and biases must be float (experts, N, K / group_size), one dtype");
+  const int N = check_quantized_weight(x.shape(-1), w, scales, biases, group_size, bits, "gather_qmm", true);
+  if (x.shape(-1) % group_size) fail("K must be a multiple of group_size");
   if (!mx::issubdtype(indices.dtype(), mx::integer)) fail("indices must be integers");
   const mx::Shape xb(x.shape().begin(), x.shape().end() - 2);
   mx::Shape shape;

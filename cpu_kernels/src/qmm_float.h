@@ -59,8 +59,8 @@ void convert_floats(const void* src, mx::Dtype src_type, void* dst, mx::Dtype ds
 // Checks one (w, scales, biases) against x for an op named `op` (throws std::invalid_argument); returns N.
 int check_quantized_weight(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits, const char* op);
-// The same for an x whose last dim is x_k.
+// The same for an x whose last dim is x_k; with experts, w/scales/biases are stacks (E, N, ...) of such weights.
 int check_quantized_weight(int x_k, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, const char* op);
+                           int group_size, int bits, const char* op, bool experts = false);
 
 }  // namespace mlxinfer_cpu

@@ -391,18 +391,22 @@ int check_quantized_weight(const mx::array& x, const mx::array& w, const mx::arr
 }
 
 int check_quantized_weight(int x_k, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits, const char* op) {
+                           int group_size, int bits, const char* op, bool experts) {
   auto fail = [op](const std::string& msg) { throw std::invalid_argument(std::string("[mlxinfer_cpu.") + op + "] " + msg); };
   if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128) fail("group_size must be 32, 64 or 128");
-  if (w.dtype() != mx::uint32 || w.ndim() != 2) fail("w must be a 2-D uint32 array");
+  const int lead = experts ? 1 : 0;  // a stack of experts: (E, N, ...) throughout
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 + lead)
+    fail(experts ? "w must be a 3-D uint32 array (experts, N, K * bits / 32)" : "w must be a 2-D uint32 array");
   if (!is_float(scales.dtype()) || biases.dtype() != scales.dtype()) fail("scales and biases must share a float dtype");
-  const int N = w.shape(0);
-  const int K = w.shape(1) * 32 / bits;
+  const int N = w.shape(lead);
+  const int K = w.shape(lead + 1) * 32 / bits;
   if (x_k != K) fail("x's last dim does not match the quantized weight");
-  if (scales.ndim() != 2 || scales.shape(0) != N || scales.shape(1) != K / group_size ||
-      biases.shape() != scales.shape())
-    fail("scales/biases must have shape (N, K / group_size)");
+  mx::Shape want{N, K / group_size};
+  if (experts) want.insert(want.begin(), w.shape(0));
+  if (scales.shape() != want || biases.shape() != scales.shape())
+    fail(experts ? "scales/biases must have shape (experts, N, K / group_size)"
+                 : "scales/biases must have shape (N, K / group_size)");
   if (K / group_size > 4096) fail("K / group_size too large");
   return N;
 }
