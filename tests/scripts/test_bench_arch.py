@@ -177,3 +177,25 @@ def test_cpu_bench_check_without_llama_cpp(tmp_path):
     row = json.loads(out.read_text())["gemma3-1b"]
     assert row["reference"] == "mlxinfer builtin (no llama.cpp)" and row["prompt_tokens"] == 12
     assert row["native"]["prefill_top1_agree"] >= 0.9 and row["native"]["decode_max_abs_diff"] < 0.05
+
+
+@pytest.mark.parametrize("change", ["missing post_ffw_norm", "per-head q_norm"])
+def test_olmo2_file_that_does_not_match_its_metadata_is_refused(tmp_path, monkeypatch, change):
+    """OLMo 2's own tensors (post norms, whole-width q/k norms) are checked like every other architecture's: one
+    line naming the tensor, and nothing imported into the cache."""
+    import mlxinfer
+    from mlxinfer.errors import InvalidModel
+
+    arch = bench_arch.tiny(bench_arch.ARCHS["olmo2-1b"])
+    orig = bench_arch.tensors
+    if change == "missing post_ffw_norm":
+        name = "blk.1.post_ffw_norm.weight"
+        monkeypatch.setattr(bench_arch, "tensors", lambda a: [t for t in orig(a) if t[0] != name])
+    else:
+        monkeypatch.setattr(bench_arch, "tensors", lambda a: [
+            (n, (a.head_dim,) if n == "blk.0.attn_q_norm.weight" else s, h) for n, s, h in orig(a)])
+        name = "blk.0.attn_q_norm.weight"
+    path = bench_arch.write_gguf(tmp_path / "bad.gguf", arch, "Q4_0")
+    with pytest.raises(InvalidModel, match=name.replace(".", r"\.")):
+        mlxinfer.load(str(path))
+    assert not list((tmp_path / "cache").rglob("model.safetensors"))
