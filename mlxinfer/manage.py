@@ -212,6 +212,7 @@ def describe(target: Target) -> dict:
     spec = target.spec
     if directory is None:
         raise ModelNotFound(f"{target.label} is not on disk", hint=f"run: mlxinfer pull {target.label}")
+    from .engine.model_checks import text_value
     from .sources.cache import _dir_bytes
 
     try:
@@ -228,9 +229,9 @@ def describe(target: Target) -> dict:
         "parameters": params,
         "quantization": _quant_text(config) + (f" (from GGUF {record['file_type_name']})"
                                                if record.get("file_type_name") else ""),
-        "context": config.get("max_position_embeddings") or (spec.context if spec else None),
-        "layers": config.get("num_hidden_layers"), "hidden_size": config.get("hidden_size"),
-        "vocab_size": config.get("vocab_size"),
+        "context": text_value(config, "max_position_embeddings") or (spec.context if spec else None),
+        "layers": text_value(config, "num_hidden_layers"), "hidden_size": text_value(config, "hidden_size"),
+        "vocab_size": text_value(config, "vocab_size"),
         "chat_template": _template(directory, spec),
         "license": _card_license(directory) or record.get("license") or "unknown",
         "disk_bytes": _dir_bytes(directory),

@@ -60,11 +60,12 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "A plan id for decoder_layer: the weights' slot names in the order the arrays will come, and the layer's "
         "numbers (mlxinfer/kernels/spec.py builds both).");
   m.def("decoder_layer", &mlxinfer_cpu::decoder_layer, "x"_a, "arrays"_a, "k_buf"_a, "v_buf"_a, "offset"_a,
-        "causal"_a, "plan"_a, "write"_a = -1, "first"_a = 0, "starts"_a = nb::none(),
+        "causal"_a, "plan"_a, "write"_a = -1, "first"_a = 0, "starts"_a = nb::none(), "q_scale"_a = nb::none(),
         "One decoder layer as one op by a decoder_layer_plan; writes this step's keys/values into k_buf/v_buf IN "
         "PLACE (kv_reserve buffers only) at buffer index write (-1: offset, the RoPE position), attending to the "
         "keys [first, write + L); starts (B,) integer: a left-padded batch, row b from key starts[b] (RoPE at "
-        "offset - starts[b]). Returns [y, k_buf', v_buf'].");
+        "offset - starts[b]); q_scale (L or B*L float32): each query row's factor (plans with q_row_scale). Returns "
+        "[y, k_buf', v_buf'].");
   m.def("array_id", [](const mx::array& a) { return reinterpret_cast<std::uintptr_t>(a.id()); }, "a"_a,
         "Identity of the array's descriptor (what Python's `is` cannot see after an in-place __setitem__).");
   m.def("array_handle", [](const mx::array& a) { return a; }, "a"_a,

@@ -5,7 +5,8 @@
 // (OLMo 2/3). attn: q/k/v (separate or one fused qkv projection, Phi-3), optional biases (Qwen2), RMSNorms on q and
 // k before RoPE, per head (Qwen3, Gemma 3) or over the whole projection (OLMo: qk_norm_whole), RoPE over the first
 // rope_dims of each head (base, or precomputed periods: Llama-3, YaRN, Phi-3 SuScaled/LongRoPE, the last two with
-// an input scale), attention over the KV cache, optionally only its last `window` positions (sliding layers).
+// an input scale), optionally a factor per query row (q_scale: Ministral 3), attention over the KV cache, optionally
+// only its last `window` positions (sliding layers).
 // mlp: act(gate) * up (separate or one fused gate_up projection), act SiLU or GELU-tanh, then down.
 // Norm weights may be stored as w - 1 (Gemma: the norm multiplies by 1 + w; norm_offset = 1).
 //
@@ -85,8 +86,9 @@ void act_mul(int act, float* g, float* u, float* out, size_t rows, int I, size_t
 
 // starts (null, or B ints): a left-padded batch (mlx-lm's BatchKVCache): row b's first key is at buffer index
 // starts[b] (first is 0 then) and its positions count from there (RoPE at offset - starts[b] + l).
+// q_scale (null, or n_q_scale = L or B * L floats): query row (b, l) multiplied by q_scale[l] or q_scale[b * L + l].
 void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, int offset, bool causal, int write,
-               int first, const int* starts) {
+               int first, const int* starts, const float* q_scale, size_t n_q_scale) {
   const int hq = p.hq, hkv = p.hkv, d = p.d, gs = p.gs, bits = p.bits;
   const int n_in = static_cast<int>(in.size());
   const mx::array& x = in[0];
@@ -161,6 +163,11 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
     for (size_t r = 0; r < (size_t)rows * hkv; ++r)
       for (int i = 0; i < p.rope_dims; ++i) fk[r * d + i] *= p.rope_mscale;
   }
+  if (q_scale)  // Ministral 3: a factor per query row (it commutes with RoPE, a rotation of each head's pairs)
+    for (int r = 0; r < rows; ++r) {
+      const float f = q_scale[n_q_scale == (size_t)L ? r % L : r];
+      for (int i = 0; i < qd; ++i) fq[(size_t)r * qd + i] *= f;
+    }
   std::vector<int> row_pos;  // a left-padded batch: each row's position of its first query
   if (starts)
     for (int b = 0; b < B; ++b) row_pos.push_back(offset - starts[b]);
@@ -255,19 +262,21 @@ void NativeDecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vec
   // The weights (leaves: evaluated, no primitive) go as plain copies, a reference count each; a weak copy is a
   // new array descriptor, and ~23 of them a layer, freed on the stream thread, were ~20% of the Python thread's
   // time in a SmolLM2 decode step. x and the KV buffers (written in place) keep MLX's weak-copy convention.
-  // starts (a left-padded batch) is not one of the plan's arrays: it travels apart, read when the op runs.
-  const int first_buf = n - 2 - (has_starts_ ? 1 : 0);
-  std::optional<mx::array> starts;
+  // q_scale and starts (a left-padded batch) are not the plan's arrays: they travel apart, read when the op runs.
+  const int first_extra = n - 2 - (has_starts_ ? 1 : 0) - (has_q_scale_ ? 1 : 0);
+  std::optional<mx::array> starts, q_scale;
   if (has_starts_) starts = mx::array::unsafe_weak_copy(inputs[n - 3]);
+  if (has_q_scale_) q_scale = mx::array::unsafe_weak_copy(inputs[first_extra]);
   for (int i = 0; i < n; ++i) {
-    if (i == first_buf) in.insert(in.end(), held_.begin(), held_.end());  // held weights: where the plan expects them
-    if (has_starts_ && i == n - 3) continue;
-    in.push_back(i > 0 && i < first_buf && !inputs[i].has_primitive() ? inputs[i]
-                                                                       : mx::array::unsafe_weak_copy(inputs[i]));
+    if (i == first_extra) in.insert(in.end(), held_.begin(), held_.end());  // held weights: where the plan expects them
+    if (i >= first_extra && i < n - 2) continue;
+    in.push_back(i > 0 && i < first_extra && !inputs[i].has_primitive() ? inputs[i]
+                                                                         : mx::array::unsafe_weak_copy(inputs[i]));
   }
   const LayerPlan plan = plan_by_id(plan_);
   enc.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(outputs[0]), plan, offset = offset_,
-                causal = causal_, write = write_, first = first_, starts = std::move(starts)]() mutable {
+                causal = causal_, write = write_, first = first_, starts = std::move(starts),
+                q_scale = std::move(q_scale)]() mutable {
     for (int i = 0; i < static_cast<int>(in.size()) - 2; ++i)
       if (!in[i].flags().row_contiguous) in[i] = row_contiguous_copy(in[i]);
     std::vector<int> rows;
@@ -277,7 +286,9 @@ void NativeDecoderLayer::eval_cpu(const std::vector<mx::array>& inputs, std::vec
         if (r < 0 || r > write + in[0].shape(1))
           throw std::invalid_argument("[mlxinfer_cpu.decoder_layer] a row starts past this step's keys");
     }
-    run_layer(in, out, plan, offset, causal, write, first, starts ? rows.data() : nullptr);
+    if (q_scale && !q_scale->flags().row_contiguous) *q_scale = row_contiguous_copy(*q_scale);  // e.g. broadcast
+    run_layer(in, out, plan, offset, causal, write, first, starts ? rows.data() : nullptr,
+              q_scale ? q_scale->data<float>() : nullptr, q_scale ? q_scale->size() : 0);
   });
 }
 

@@ -64,7 +64,8 @@ int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std
   p.base = (float)get("rope_base"), p.rope_scale = (float)get("rope_scale"), p.rope_mscale = (float)get("rope_mscale");
   p.attn_scale = (float)get("attn_scale"), p.eps = (float)get("norm_eps"), p.qk_eps = (float)get("qk_norm_eps");
   p.norm_offset = (float)get("norm_offset"), p.qk_whole = get("qk_norm_whole") != 0;
-  if (config.size() != 17) fail("config has unknown keys");
+  p.q_row_scale = get("q_row_scale") != 0;
+  if (config.size() != 18) fail("config has unknown keys");
   if (p.hq <= 0 || p.hkv <= 0 || p.d <= 0 || p.hq % p.hkv) fail("heads must be positive, n_heads a multiple of n_kv_heads");
   if (p.rope_dims < 0 || p.rope_dims % 2 || p.rope_dims > p.d) fail("rope dims must be even and <= head_dim");
   if (p.act != 0 && p.act != 1) fail("activation is 0 (silu) or 1 (gelu_tanh)");
@@ -93,7 +94,8 @@ int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std
 
 std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::array>& arrays, const mx::array& k_buf,
                                      const mx::array& v_buf, int offset, bool causal, int plan_id, int write,
-                                     int first, const std::optional<mx::array>& starts) {
+                                     int first, const std::optional<mx::array>& starts,
+                                     const std::optional<mx::array>& q_scale) {
   const LayerPlan p = plan_by_id(plan_id);
   if (x.ndim() != 3 || x.dtype() != mx::float32) fail("x must be float32 (B, L, hidden)");
   if (static_cast<int>(arrays.size()) != p.n_arrays) fail("the arrays must match the plan's names");
@@ -136,6 +138,11 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::a
   if (starts && (starts->ndim() != 1 || starts->shape(0) != x.shape(0) || !mx::issubdtype(starts->dtype(), mx::integer) ||
                  first != 0))
     fail("starts must be integer (B,), with first 0");
+  if (q_scale.has_value() != p.q_row_scale)
+    fail(p.q_row_scale ? "this layer's plan needs q_scale (a factor per query row)" : "this layer's plan takes no q_scale");
+  if (q_scale && (q_scale->dtype() != mx::float32 || (q_scale->size() != (size_t)x.shape(1) &&
+                                                      q_scale->size() != (size_t)x.shape(0) * x.shape(1))))
+    fail("q_scale must be float32 with L or B * L values (one per query row)");
   for (const auto* b : {&k_buf, &v_buf})
     if (b->is_available() && !(b->flags().row_contiguous && b->data_size() == b->size()))
       fail("KV buffers must be whole row-major buffers (from kv_reserve)");
@@ -147,13 +154,14 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::a
     held.assign(inputs.begin() + 1, inputs.end());
     inputs.erase(inputs.begin() + 1, inputs.end());
   }
+  if (q_scale) inputs.push_back(*q_scale);
   if (starts) inputs.push_back(*starts);
   inputs.push_back(k_buf);
   inputs.push_back(v_buf);
   return mx::array::make_arrays({x.shape(), k_buf.shape(), v_buf.shape()}, {mx::float32, k_buf.dtype(), v_buf.dtype()},
                                 std::make_shared<NativeDecoderLayer>(mx::to_stream({}, mx::Device::cpu), plan_id,
                                                                      offset, causal, write, first, starts.has_value(),
-                                                                     std::move(held)),
+                                                                     q_scale.has_value(), std::move(held)),
                                 std::move(inputs));
 }
 

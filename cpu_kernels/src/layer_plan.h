@@ -27,7 +27,7 @@ inline constexpr int kSlots = sLinear0 + 3 * kLinears;
 
 struct LayerPlan {
   int gs, bits, hq, hkv, d, rope_dims, act, window, n_arrays;
-  bool traditional, qk_whole;
+  bool traditional, qk_whole, q_row_scale;  // q_row_scale: a q_scale input multiplies each query row
   float base, rope_scale, rope_mscale, attn_scale, eps, qk_eps, norm_offset;
   int at[kSlots];  // input index of each slot (x is input 0, arrays follow), -1 when absent
   int lin(int l, int part = 0) const { return at[sLinear0 + 3 * l + part]; }
@@ -44,9 +44,9 @@ class NativeDecoderLayer : public mx::Primitive {
   // its graph inputs are x, k_buf and v_buf only. MLX's eval does bookkeeping per graph input (hash-map nodes,
   // allocations) on the Python thread, ~25 per layer and token otherwise, which on 2 cores takes CPU from the pool.
   NativeDecoderLayer(mx::Stream s, int plan, int offset, bool causal, int write, int first, bool has_starts,
-                     std::vector<mx::array> held = {})
+                     bool has_q_scale, std::vector<mx::array> held = {})
       : mx::Primitive(s), plan_(plan), offset_(offset), causal_(causal), write_(write), first_(first),
-        has_starts_(has_starts), held_(std::move(held)) {}
+        has_starts_(has_starts), has_q_scale_(has_q_scale), held_(std::move(held)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("[mlxinfer_cpu] decoder_layer runs on the CPU stream only");
@@ -62,7 +62,9 @@ class NativeDecoderLayer : public mx::Primitive {
   int plan_, offset_;
   bool causal_;
   int write_, first_;  // buffer index of this step's first key / of the oldest key attended (see decoder_layer)
-  bool has_starts_;    // input n - 3 is starts (B,): a left-padded batch, each row's first key (see decoder_layer)
+  // Inputs after the weights, before k_buf and v_buf: q_scale (L or B*L floats) when has_q_scale_, then starts
+  // (B,) when has_starts_ (a left-padded batch, each row's first key); see decoder_layer.
+  bool has_starts_, has_q_scale_;
   std::vector<mx::array> held_;  // the weights, when not graph inputs (in the plan's order, between x and k_buf)
 };
 

@@ -87,9 +87,12 @@ mx::array kv_reserve(const std::vector<int>& shape, const std::optional<mx::arra
 // the oldest key kept): offset stays the absolute position (RoPE), keys [first, write + L) are attended in order.
 // starts (B,) integer, first 0: a left-padded batch (mlx-lm's BatchKVCache, every row written at the shared index
 // write): row b attends keys [starts[b], write + L) and its RoPE positions are offset - starts[b] + l.
+// q_scale (L or B*L floats, only and always for a plan with "q_row_scale"): each query row multiplied by its own
+// factor (Ministral 3's position-dependent llama-4 scaling, computed by the model and passed in as it is).
 int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std::string, double>& config);
 std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::array>& arrays, const mx::array& k_buf,
                                      const mx::array& v_buf, int offset, bool causal, int plan_id, int write = -1,
-                                     int first = 0, const std::optional<mx::array>& starts = std::nullopt);
+                                     int first = 0, const std::optional<mx::array>& starts = std::nullopt,
+                                     const std::optional<mx::array>& q_scale = std::nullopt);
 
 }  // namespace mlxinfer_cpu

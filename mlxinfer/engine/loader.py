@@ -46,9 +46,10 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
+        from .model_checks import text_value
+
         for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
-            if isinstance(self.config.get(key), int):
-                value = self.config[key]
+            if isinstance(value := text_value(self.config, key), int):  # a multimodal checkpoint: in text_config
                 break
         else:
             value = 4096
@@ -123,7 +124,8 @@ def _read_json(path: Path) -> dict:
 
 def _eos_ids(path: Path, config: dict) -> list[int]:
     ids: list[int] = []
-    for source in (config, _read_json(path / "generation_config.json")):
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # multimodal layout
+    for source in (config, text, _read_json(path / "generation_config.json")):
         value = source.get("eos_token_id")
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, int) and v not in ids:

@@ -145,16 +145,22 @@ def safetensors_header(file: Path) -> dict[str, dict]:
     return header
 
 
+def text_value(config: dict, key: str):
+    """A language-model field of config.json: top level, else in ``text_config`` (the layout of multimodal
+    checkpoints that mlx-lm runs as text models: Gemma 3 4B+, Mistral 3 / Ministral 3); None when in neither."""
+    if key in config:
+        return config[key]
+    text = config.get("text_config")
+    return text.get(key) if isinstance(text, dict) else None
+
+
 def check_weights_match(path: Path, config: dict) -> None:
     """The vocabulary, hidden size and layer count in config.json against the tensors actually present."""
     tensors: dict[str, dict] = {}
     for file in sorted(path.glob("model*.safetensors")):
         tensors.update(safetensors_header(file))
     file = path / "config.json"
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    vocab = config.get("vocab_size", text.get("vocab_size"))
-    hidden = config.get("hidden_size", text.get("hidden_size"))
-    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
+    vocab, hidden, layers = (text_value(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers"))
 
     embeds = [n for n in tensors if _EMBED_RE.search(n) and not re.search(r"vision|visual|audio", n)]
     if len(embeds) == 1 and len(tensors[embeds[0]]["shape"]) == 2:

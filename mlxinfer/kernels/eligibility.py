@@ -15,7 +15,7 @@ Roles:
 
 The one-op decoder layer has its own table next to this one: ``kernels.spec.BUILDERS`` maps a block class (same
 identity rule, same versions) to the builder that reads a block into a ``LayerSpec`` (gemma3_text and phi3
-blocks are only there, olmo2/olmo3 blocks too (their MLPs are rows here): their layers have no per-op fused
+blocks are only there, olmo2/olmo3/ministral3 blocks too (their MLPs are rows here): their layers have no per-op fused
 attention or block path).
 
 Adding a family: a row here (per-op fused attention/MLP) and/or a builder in ``kernels.spec``, a tiny
@@ -51,6 +51,7 @@ ROLES: dict[tuple[str, str], str] = {
     ("qwen3_moe", "Qwen3MoeDecoderLayer"): BLOCK_PRENORM,  # fused only in layers whose MLP is dense SwiGLU
     ("olmo2", "MLP"): MLP_SWIGLU,
     ("olmo3", "Olmo3MLP"): MLP_SWIGLU,
+    ("ministral3", "MLP"): MLP_SWIGLU,
 }
 
 

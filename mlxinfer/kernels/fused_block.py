@@ -66,16 +66,23 @@ def window_of(block) -> int:
     return plan.spec.sliding_window if plan is not None else 0
 
 
-def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
+def native_block(block, x: mx.array, mask, cache, q_scale: Optional[mx.array] = None) -> Optional[mx.array]:
     """``block(x, mask, cache)`` for a prepared block as one provider op, or None when this call is not one the op
-    takes (then nothing has changed but, perhaps, the cache's buffers)."""
+    takes (then nothing has changed but, perhaps, the cache's buffers). ``q_scale``: the factor per query row of a
+    spec with ``q_row_scale`` (Ministral 3's ``attn_scale``, (L, 1) or (B, 1, L, 1)), required there."""
     # __dict__ lookups: nn.Module attribute access is a Python __getattr__ for what is not in it (~0.2 us each).
     plan = block.__dict__.get("_native_plan")
     if plan is None or x.ndim != 3 or x.dtype != mx.float32:
         return None
     spec = plan.spec
+    if spec.q_row_scale:
+        if not isinstance(q_scale, mx.array) or q_scale.size not in (x.shape[1], x.shape[0] * x.shape[1]):
+            return None
+        q_scale = q_scale.reshape(-1).astype(mx.float32)
+    else:
+        q_scale = None
     if isinstance(cache, BatchKVCache):
-        return _batch_block(block, plan, x, mask, cache)
+        return _batch_block(block, plan, x, mask, cache, q_scale)
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         # A sliding layer's window mask is the one the op computes itself (gemma3_text makes it from the window).
         if not (spec.sliding_window and isinstance(mask, mx.array) and mask.dtype == mx.bool_):
@@ -90,7 +97,7 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
         return None
     k_buf, v_buf, write, first = buffers
     out = provider.decoder_layer(x, [o[k] for o, k in plan.owners], k_buf, v_buf, offset=cache.offset,
-                                 causal=mask is not None, plan=plan.plan, write=write, first=first)
+                                 causal=mask is not None, plan=plan.plan, write=write, first=first, q_scale=q_scale)
     if out is None:  # a model the op does not take: stop asking for this block
         block._native_plan = None
         return None
@@ -99,7 +106,7 @@ def native_block(block, x: mx.array, mask, cache) -> Optional[mx.array]:
     return y
 
 
-def _batch_block(block, plan: BlockPlan, x: mx.array, mask, cache) -> Optional[mx.array]:
+def _batch_block(block, plan: BlockPlan, x: mx.array, mask, cache, q_scale) -> Optional[mx.array]:
     """``native_block`` for a left-padded batch (serve's continuous batching, ``bench -b``): the same op with each
     row's first key (``left_padding``), every row written at the cache's shared index. The mask must be the cache's
     own (causal + left padding, and for a sliding layer its window, what ``make_mask`` gives: checked by shape;
@@ -117,7 +124,7 @@ def _batch_block(block, plan: BlockPlan, x: mx.array, mask, cache) -> Optional[m
         return None
     k_buf, v_buf, write = buffers
     out = provider.decoder_layer(x, [o[k] for o, k in plan.owners], k_buf, v_buf, offset=write, causal=True,
-                                 plan=plan.plan, write=write, first=0, starts=cache.left_padding)
+                                 plan=plan.plan, write=write, first=0, starts=cache.left_padding, q_scale=q_scale)
     if out is None:
         return None
     y, k, v = out

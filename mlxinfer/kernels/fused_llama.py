@@ -173,6 +173,20 @@ def _block_call(base: type) -> Callable:
     return __call__
 
 
+def _scaled_block_call(base: type) -> Callable:
+    # ministral3: the model passes each layer a factor per query position (attn_scale); called without one (the
+    # self-check, a caller of its own), the attention's own function computes it, as the module's code would.
+    def __call__(self, x, attn_scale=None, mask=None, cache=None):
+        if cache is not None:
+            scale = attn_scale if attn_scale is not None else spec.query_scale(self, x.shape[1], cache.offset)
+            y = fused_block.native_block(self, x, mask, cache, q_scale=scale)
+            if y is not None:
+                return y
+        return base.__call__(self, x, attn_scale, mask, cache)
+
+    return __call__
+
+
 def _batch_cache(block: nn.Module, cache):
     """A plain mlx-lm ``BatchKVCache`` (or one already adopted) as a NativeBatchKVCache when the provider does
     batched positions (per-row RoPE offsets, attention with a per-row start); None otherwise. Not for
@@ -225,7 +239,9 @@ def swap_blocks(model: nn.Module, provider: KernelProvider, caps: Capabilities) 
             why = fused_block.prepare(m, provider, windows.get(id(m), 0))
         one_op = why == ""
         if one_op or (prenorm and fused_parts(m)):
-            bind(m, fused_subclass("block", builtin_class(type(m)), _block_call), provider)
+            scaled = one_op and m._native_plan.spec.q_row_scale  # a block taking attn_scale (ministral3)
+            bind(m, fused_subclass("block", builtin_class(type(m)), _scaled_block_call if scaled else _block_call),
+                 provider)
             swapped, native = swapped + 1, native + bool(one_op)
         else:
             m.__dict__.pop("_kernel_provider", None)

@@ -201,13 +201,24 @@ def _in_features(linear: nn.Module) -> Optional[int]:
 
 def _run(m: nn.Module, call, xs) -> list[mx.array]:
     """``call`` over a prefill and a decode step, with a fresh KV cache where the module takes one."""
-    if builtin_class(type(m)).__call__.__code__.co_argcount <= 2:  # an MLP: (self, x)
+    code = builtin_class(type(m)).__call__.__code__
+    if code.co_argcount <= 2:  # an MLP: (self, x)
         outs = [call(x) for x in xs]
     else:
-        cache = KVCache()
-        outs = [call(xs[0], "causal", cache), call(xs[1], None, cache)]
+        cache = KVCache()  # arguments by keyword: a block may take more than (x, mask, cache)
+        outs = [call(x, mask=mask, cache=cache, **_extra(code, x)) for x, mask in zip(xs, ("causal", None))]
     mx.eval(outs)
     return outs
+
+
+def _extra(code, x: mx.array) -> dict:
+    """What a block takes besides (x, mask, cache), drawn so that using it wrongly shows: ministral3's
+    ``attn_scale`` (a factor per query row, 1 below its original context, so the model's own would check
+    nothing here) as random factors in [1, 1.5)."""
+    if "attn_scale" not in code.co_varnames[:code.co_argcount]:
+        return {}
+    key = mx.random.key(SEED + x.shape[1])
+    return {"attn_scale": 1 + 0.5 * mx.random.uniform(shape=(x.shape[1], 1), key=key)}
 
 
 def _error(m: nn.Module) -> float:
@@ -218,7 +229,7 @@ def _error(m: nn.Module) -> float:
         fused = _run(m, m, xs)
     base = builtin_class(type(m))
     with _unfused_view(m):
-        reference = _run(m, lambda *a: base.__call__(m, *a), xs)
+        reference = _run(m, lambda *a, **k: base.__call__(m, *a, **k), xs)
     worst = 0.0
     for f, r in zip(fused, reference):
         scale = float(mx.abs(r).max()) or 1.0

@@ -10,13 +10,13 @@ the op resolves the names once (``decoder_layer_plan``) and no position order ex
 ``BUILDERS`` maps an mlx-lm block class (module, class name; looked up by identity, for the versions in
 ``eligibility.VALIDATED_MLX_LM``) to the function that reads one block instance into a spec, or gives the one-line
 reason it cannot. Each builder reads the maths of that class' code in mlx-lm 0.32 (llama, qwen2, qwen3,
-qwen3_moe, gemma3_text, phi3, olmo2, olmo3; SmolLM3 and Mistral run llama's classes). What a builder cannot see
+qwen3_moe, gemma3_text, phi3, olmo2, olmo3, ministral3; SmolLM3 and Mistral run llama's classes). What a builder cannot see
 (a method changed under the same class) the load-time self-check (``kernels.selfcheck``) catches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Union
 
 import mlx.core as mx
@@ -58,6 +58,7 @@ class LayerSpec:
     rope: Optional[RopeSpec] = None  # None: a NoPE layer
     attn_scale: float = 1.0
     sliding_window: int = 0        # > 0: each query attends to the last sliding_window positions only
+    q_row_scale: bool = False      # the block is called with a factor per query row (Ministral 3's attn_scale)
 
     def names(self) -> tuple:
         return tuple(name for name, _ in self.weights)
@@ -88,7 +89,8 @@ class LayerSpec:
                 "rope_mscale": rope.input_scale, "attn_scale": self.attn_scale, "norm_eps": self.norm_eps,
                 "qk_norm_eps": self.qk_norm_eps, "qk_norm_whole": float(self.qk_norm_whole),
                 "norm_offset": self.norm_offset,
-                "activation": float(_ACTIVATIONS.index(self.activation)), "window": float(self.sliding_window)}
+                "activation": float(_ACTIVATIONS.index(self.activation)), "window": float(self.sliding_window),
+                "q_row_scale": float(self.q_row_scale)}
 
 
 def resolve(block: nn.Module, path: str):
@@ -305,6 +307,39 @@ def _olmo(block, _model_window: int, family: str) -> Built:
                      attn_scale=float(attn.scale), sliding_window=window)
 
 
+def _ministral3(block, _model_window: int) -> Built:
+    """ministral3 (Ministral 3, the text model inside mlx-lm's mistral3): llama's pre-norm layer, YaRN, sliding
+    layers (``use_sliding``, the window from ``args.sliding_window``) and queries multiplied by the model's
+    ``attn_scale``, a factor per position (llama-4 scaling: 1 + beta * log(1 + floor(pos / original max))), which
+    the block gets as an argument and the op as ``q_scale`` (``query_scale`` computes it when the caller passes
+    none, with the attention's own function and numbers)."""
+    from mlx_lm.models import ministral3
+
+    attn = block.self_attn
+    if not callable(getattr(ministral3, "_get_llama_4_attn_scale", None)):
+        return "mlx-lm's ministral3 has no _get_llama_4_attn_scale"
+    if not all(isinstance(getattr(attn, n), (int, float)) for n in ("scaling_beta", "original_max_position_embeddings")):
+        return "the attention's llama-4 scaling numbers are not numbers"
+    spec = _prenorm(block, 0, "ministral3")
+    if isinstance(spec, str):
+        return spec
+    window = 0
+    if block.use_sliding:
+        window = int(block.args.sliding_window or 0)
+        if window <= 0:
+            return "sliding layer without a known window"
+    return replace(spec, sliding_window=window, q_row_scale=True)
+
+
+def query_scale(block: nn.Module, length: int, offset) -> mx.array:
+    """The ``attn_scale`` a ministral3 block's attention computes itself when its caller passes none: (length, 1),
+    or (B, 1, length, 1) for per-row offsets."""
+    from mlx_lm.models import ministral3
+
+    attn = block.self_attn
+    return ministral3._get_llama_4_attn_scale(length, offset, attn.scaling_beta, attn.original_max_position_embeddings)
+
+
 # (mlx_lm.models module, block class name) -> builder. Mistral and SmolLM2/SmolLM3 run llama's classes.
 BUILDERS: dict[tuple[str, str], Callable[[nn.Module, int], Built]] = {
     ("llama", "TransformerBlock"): lambda b, w: _prenorm(b, w, "llama"),
@@ -315,6 +350,7 @@ BUILDERS: dict[tuple[str, str], Callable[[nn.Module, int], Built]] = {
     ("phi3", "TransformerBlock"): _phi3,
     ("olmo2", "TransformerBlock"): lambda b, w: _olmo(b, w, "olmo2"),
     ("olmo3", "Olmo3DecoderLayer"): lambda b, w: _olmo(b, w, "olmo3"),
+    ("ministral3", "TransformerBlock"): _ministral3,
 }
 
 

@@ -149,16 +149,18 @@ class NativeCpuProvider:
             return None
 
     def decoder_layer(self, x, arrays: list, k_buf, v_buf, *, offset: int, causal: bool, plan, write: int = -1,
-                      first: int = 0, starts=None) -> Optional[tuple]:
+                      first: int = 0, starts=None, q_scale=None) -> Optional[tuple]:
         """A decoder layer (x (B, L, hidden) float32 -> same) as one op, writing this step's keys and values into
         ``k_buf``/``v_buf`` IN PLACE at buffer index ``write`` (-1: ``offset``, the position RoPE uses) and
         attending to the keys [first, write + L): only for buffers from ``kv_reserve`` that nothing else reads at
         or past ``write`` (``kernels.fused_block`` keeps that promise). ``arrays``: in the order of the plan's
         names. ``starts`` (B,) integer, ``first`` 0: a left-padded batch (row b attends from key starts[b], its
-        RoPE positions offset - starts[b] + l). Returns (y, k_buf', v_buf'): the buffers after the write, the same
-        memory (what the cache must hold so that evaluating it runs the op), or None."""
+        RoPE positions offset - starts[b] + l). ``q_scale`` (L or B*L float32, plans with ``q_row_scale`` only):
+        each query row's factor. Returns (y, k_buf', v_buf'): the buffers after the write, the same memory (what
+        the cache must hold so that evaluating it runs the op), or None."""
         try:
-            return tuple(self._ext.decoder_layer(x, arrays, k_buf, v_buf, offset, causal, plan, write, first, starts))
+            return tuple(self._ext.decoder_layer(x, arrays, k_buf, v_buf, offset, causal, plan, write, first, starts,
+                                                 q_scale))
         except _REJECTED:
             return None
 

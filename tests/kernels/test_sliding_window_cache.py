@@ -30,11 +30,17 @@ PROMPT = [1, 17, 923, 4, 88, 1203, 5, 77, 311, 9, 40, 2048, 3, 61, 500, 12, 7, 1
 TURN = [5, 600, 42, 7, 1500, 3, 88, 19, 230, 4, 71, 12, 900, 6, 33, 2, 450, 8, 61, 17]  # a second prefill (20)
 
 
-@pytest.fixture(params=["gemma3_text", "olmo3"])
+# Layer 0 sliding, layer 1 global (gemma3_text's pattern 2 and olmo3's tiny config say so already); head_dim 32
+# for --kv-bits (a multiple of its group).
+_SLIDING_FIRST = {"gemma3_text": {}, "olmo3": {},
+                  "ministral3": {"layer_types": ["sliding_attention", "full_attention"], "head_dim": 32}}
+
+
+@pytest.fixture(params=sorted(_SLIDING_FIRST))
 def model(native, monkeypatch, float_prefill, request):
     """A tiny model whose layer 0 is a sliding-window layer (window WINDOW) and layer 1 a global one."""
     monkeypatch.setenv("MLXINFER_KV_DTYPE", "float32")
-    m = tiny_arch.make_model(request.param, overrides={"sliding_window": WINDOW})
+    m = tiny_arch.make_model(request.param, overrides={"sliding_window": WINDOW, **_SLIDING_FIRST[request.param]})
     yield m
     patch.apply_kernels(m, "builtin")
 

@@ -1,6 +1,6 @@
 """The spec-driven one-op decoder layer (``kernels.spec`` + ``decoder_layer``) per architecture: the spec read from
 each mlx-lm block class, fused vs MLX built-in logits over a prefill and 32 decode steps, and the self-check
-refusing a changed gemma3 / phi3 / olmo2 / olmo3 class.
+refusing a changed gemma3 / phi3 / olmo2 / olmo3 / ministral3 class.
 
 Tolerance: the fused path differs from MLX's by rounding only. Measured on these tiny models (AVX2, max abs logit
 difference relative to the largest |logit|, prefill + 32 decode steps): 1.3e-4 to 7.8e-4 with the default
@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as cache_lib
-from mlx_lm.models import gemma3_text, olmo2, olmo3, phi3
+from mlx_lm.models import gemma3_text, ministral3, olmo2, olmo3, phi3
 
 from mlxinfer.kernels import fused_block, patch, selfcheck, spec
 from mlxinfer.native import int8_activations
@@ -41,6 +41,8 @@ PROMPT = [1, 17, 923, 4, 88, 1203, 5, 77, 311, 9, 40, 2048, 3, 61, 500, 12, 7, 1
 CASES = {
     "llama": {}, "qwen2": {}, "qwen3": {}, "smollm3": {}, "phi3": {}, "phi4_mini": {},
     "gemma3_text": {"sliding_window": 16}, "olmo2": {}, "olmo3": {"sliding_window": 16},
+    # The tiny ministral3's original context is 8: its query scale changes every 8 positions of the prompt.
+    "ministral3": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
 }
 
 
@@ -97,6 +99,8 @@ def test_int8_prefill_within_its_tolerance(native, name, monkeypatch):
 
     if not native_mod.extension().has_int8_prefill():
         pytest.skip(f"no int8 prefill in this kernel set ({native_mod.extension().isa()})")
+    if tiny_arch.ARCHS[name].bits != 4:
+        pytest.skip("8-bit weights: the int8 prefill GEMM is for 4-bit ones (8-bit prefill stays float32)")
     monkeypatch.setenv("MLXINFER_KV_DTYPE", "float32")
     model = model_for(name)
     patch.apply_kernels(model, "builtin")
@@ -144,6 +148,21 @@ def test_olmo_specs_read_the_classes():
     assert sliding.rope.freqs_path == "" and sliding.rope.input_scale == 1.0
     assert full.rope.freqs_path == "self_attn.rope._freqs" and full.rope.input_scale > 1.0  # YaRN's mscale
     assert "rope_freqs" in full.names() and s.config()["qk_norm_whole"] == 1.0
+
+
+def test_ministral3_spec_reads_the_class():
+    """ministral3: llama's layer with YaRN periods, a sliding layer from layer_types and a query factor per row
+    (the model's attn_scale), which the block's fused call passes to the op."""
+    model = model_for("ministral3")
+    sliding, full = (spec.spec_of(b) for b in model.layers)
+    assert sliding.q_row_scale and full.q_row_scale and sliding.config()["q_row_scale"] == 1.0
+    assert sliding.sliding_window == 16 and full.sliding_window == 0
+    assert full.rope.freqs_path == "self_attn.rope._freqs" and full.norm_placement == "pre" and not full.qk_norm
+    # What its attention computes without an attn_scale: 1 below the original context (8), then 1 + 0.1 log(1 + n)
+    import math
+
+    s = spec.query_scale(model.layers[0], 4, 6).reshape(-1).tolist()  # positions 6, 7, 8, 9
+    assert s == pytest.approx([1.0, 1.0, 1.0 + 0.1 * math.log(2.0), 1.0 + 0.1 * math.log(2.0)])
 
 
 def test_smollm3_nope_layers():
@@ -213,23 +232,44 @@ def _olmo_per_head_qk_norm(original):
     return __call__
 
 
+def _ministral3_unscaled(original):
+    # The attention ignoring the factor its model passes (queries never rescaled past the original context).
+    def __call__(self, x, attn_scale=None, mask=None, cache=None):
+        return original(self, x, mx.ones((x.shape[1], 1)), mask, cache)
+
+    return __call__
+
+
+def _ministral3_with_bias(original):
+    def __call__(self, x, attn_scale=None, mask=None, cache=None):
+        return original(self, x, attn_scale, mask, cache) + 2.0
+
+    return __call__
+
+
 _BLOCKS = {"gemma3_text": gemma3_text.TransformerBlock, "phi3": phi3.TransformerBlock,
            "olmo2": olmo2.TransformerBlock, "olmo3": olmo3.Olmo3DecoderLayer}
 
 
 @pytest.mark.parametrize("name,change", [("gemma3_text", "silu mlp"), ("gemma3_text", "added bias"),
                                          ("phi3", "gelu mlp"), ("phi3", "added bias"), ("olmo2", "added bias"),
-                                         ("olmo2", "per-head q/k norms"), ("olmo3", "added bias")])
+                                         ("olmo2", "per-head q/k norms"), ("olmo3", "added bias"),
+                                         ("ministral3", "added bias"), ("ministral3", "unscaled queries")])
 def test_selfcheck_refuses_changed_classes(native, float_prefill, monkeypatch, name, change):
-    block = _BLOCKS[name]
-    if change == "silu mlp":
+    if name == "ministral3":  # its block and attention take attn_scale between x and mask
+        if change == "added bias":
+            monkeypatch.setattr(ministral3.TransformerBlock, "__call__",
+                                _ministral3_with_bias(ministral3.TransformerBlock.__call__))
+        else:
+            monkeypatch.setattr(ministral3.Attention, "__call__", _ministral3_unscaled(ministral3.Attention.__call__))
+    elif change == "silu mlp":
         monkeypatch.setattr(gemma3_text.MLP, "__call__", _silu_mlp)
     elif change == "gelu mlp":
         monkeypatch.setattr(phi3.MLP, "__call__", _phi3_gelu_mlp)
     elif change == "per-head q/k norms":
         monkeypatch.setattr(olmo2.Attention, "__call__", _olmo_per_head_qk_norm(olmo2.Attention.__call__))
     else:
-        monkeypatch.setattr(block, "__call__", _with_bias(block.__call__))
+        monkeypatch.setattr(_BLOCKS[name], "__call__", _with_bias(_BLOCKS[name].__call__))
     model = model_for(name)
     patch.apply_kernels(model, "builtin")
     tokens = greedy(model)[:4]
@@ -243,7 +283,7 @@ def test_selfcheck_refuses_changed_classes(native, float_prefill, monkeypatch, n
     patch.apply_kernels(model, "builtin")
 
 
-@pytest.mark.parametrize("name", ["gemma3_text", "olmo3"])
+@pytest.mark.parametrize("name", ["gemma3_text", "olmo3", "ministral3"])
 def test_sliding_batched_rows_match_alone(native, monkeypatch, name):
     """The server's way (rows prefilled alone, merged by mlx-lm: a BatchKVCache, for the sliding layers' rotating
     caches a BatchRotatingKVCache; decoded together) past the sliding window: the batched sliding layers run per

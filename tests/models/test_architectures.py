@@ -48,8 +48,9 @@ def test_load_reports(arch, tiny):
     from mlx_lm.utils import _get_classes
 
     spec, config = ARCHS[arch], config_for(arch)
+    lm = config.get("text_config", config)  # a multimodal layout keeps the language model's fields there
     assert tiny.model_type == config["model_type"]
-    assert tiny.context_length == config["max_position_embeddings"]
+    assert tiny.context_length == lm["max_position_embeddings"]
     if spec.bits is None:
         assert tiny.quantization == "none (float16)"
     else:
@@ -59,7 +60,7 @@ def test_load_reports(arch, tiny):
     dense = sum(v.size for _, v in tree_flatten(model_cls(args_cls.from_dict(config)).parameters()))
     assert tiny.num_parameters() == dense
     assert tiny.kernels == "builtin"
-    assert config["eos_token_id"] in tiny.eos_token_ids and "<|im_start|>" in tiny.chat_template  # SmolLM2's
+    assert lm["eos_token_id"] in tiny.eos_token_ids and "<|im_start|>" in tiny.chat_template  # SmolLM2's
 
     floating = {str(v.dtype) for _, v in tree_flatten(tiny.model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
     expected = "float32" if tiny.backend == "cpu" else "float16"

@@ -57,6 +57,10 @@ ARCHS: dict[str, Arch] = {
                                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                             "llama_4_scaling_beta": 0.1}},
                        bits=8, what="8-bit, YaRN rope, llama-4 position-dependent query scaling"),
+    # mlx-community's Ministral 3 repos: the text model inside mistral3's multimodal layout (text_config; the
+    # vision tower's weights, absent here, are dropped by mlx-lm).
+    "mistral3": Arch({"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+                      "text_config": "ministral3"}, group_size=32, what="ministral3 inside mistral3's text_config"),
     "smollm3": Arch({"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "rms_norm_eps": 1e-6,
                      "rope_theta": 1e5, "tie_word_embeddings": True, "no_rope_layer_interval": 2},
                     what="NoPE layers (every 2nd layer without RoPE), llama's classes"),
@@ -100,7 +104,12 @@ RESIDUAL_GAIN = 12.0
 
 
 def config_for(name: str) -> dict:
-    return {**_COMMON, **ARCHS[name].config}
+    """config.json of the tiny ``name``; a ``text_config`` naming another arch nests that arch's whole config
+    (the multimodal layout: nothing of the language model at the top level)."""
+    config = ARCHS[name].config
+    if isinstance(config.get("text_config"), str):
+        return {**config, "text_config": config_for(config["text_config"])}
+    return {**_COMMON, **config}
 
 
 def _random_params(model, seed: int) -> dict:

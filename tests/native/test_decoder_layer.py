@@ -59,11 +59,11 @@ def _case_layer(case):
               "rope_mscale": 1.0 if kind == "gemma" else 1.19, "attn_scale": 0.1 if kind == "gemma" else D ** -0.5,
               "norm_eps": 1e-6, "qk_norm_eps": 1e-6, "qk_norm_whole": 1 if kind == "olmo" else 0,
               "norm_offset": 1.0 if kind == "gemma" else 0.0, "activation": 1 if kind == "gemma" else 0,
-              "window": window}
+              "window": window, "q_row_scale": 0}
     return arrays, config
 
 
-def _reference(x, a, c, k_old, v_old, kind, causal):
+def _reference(x, a, c, k_old, v_old, kind, causal, q_scale=None):
     B, L, _ = x.shape
     hq, hkv, D, dims, off = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["rope_dims"], c["norm_offset"]
     mm = lambda t, n: mx.quantized_matmul(t, a[f"{n}.weight"], a[f"{n}.scales"], a[f"{n}.biases"],  # noqa: E731
@@ -95,6 +95,8 @@ def _reference(x, a, c, k_old, v_old, kind, causal):
         q, k, v = mx.split(mm(xn, "qkv"), [hq * D, (hq + hkv) * D], axis=-1)
         q, k, v = heads(q, hq), heads(k, hkv), heads(v, hkv)
     q, k = rope(q), rope(k)
+    if q_scale is not None:  # Ministral 3: queries * attn_scale (B or 1, 1, L, 1) after RoPE
+        q = q * q_scale
     keys, values = mx.concatenate([k_old, k], axis=2), mx.concatenate([v_old, v], axis=2)
     mask = "causal" if causal and L > 1 else None
     if c["window"]:
@@ -132,6 +134,49 @@ def test_matches_mlx(native_ext, case):
     n = offset + L
     assert mx.allclose(k2[:, :, :n].astype(mx.float32), ref_k, atol=tol * 10).item()
     assert mx.allclose(v2[:, :, :n].astype(mx.float32), ref_v, atol=tol * 10).item()
+
+
+@pytest.mark.parametrize("per_batch_row", [False, True])
+def test_query_row_scale(native_ext, per_batch_row):
+    """A plan with q_row_scale multiplies each query row by its q_scale value (Ministral 3's llama-4 attention
+    scaling: one factor per position, or per batch row and position in a left-padded batch), keys untouched."""
+    case = CASES[0]
+    B, L, E, I, hq, hkv, D, dims, offset, gs, bits, window, kind, half = case
+    arrays, config = _case_layer(case)
+    config["q_row_scale"] = 1
+    x = mx.random.normal((B, L, E))
+    k_old, v_old = mx.random.normal((B, hkv, offset, D)), mx.random.normal((B, hkv, offset, D))
+    shape = (B, 1, L, 1) if per_batch_row else (L, 1)  # what ministral3's _get_llama_4_attn_scale returns
+    q_scale = 1 + 0.5 * mx.random.uniform(shape=shape)
+    bufs = [native_ext.kv_reserve([B, hkv, offset + L, D], t, valid=offset) for t in (k_old, v_old)]
+    names = sorted(arrays)
+    plan = native_ext.decoder_layer_plan(names, {k: float(v) for k, v in config.items()})
+    y, k2, _ = native_ext.decoder_layer(x, [arrays[n] for n in names], *bufs, offset, True, plan,
+                                        q_scale=q_scale.reshape(-1))
+    ref_y, ref_k, _ = _reference(x, arrays, config, k_old, v_old, kind, True, q_scale=q_scale)
+    plain_y, _, _ = _reference(x, arrays, config, k_old, v_old, kind, True)
+    mx.eval(y, k2, ref_y, plain_y)
+    scale = float(mx.abs(ref_y).max())
+    assert float(mx.abs(y - ref_y).max()) < 2e-3 * scale
+    assert float(mx.abs(plain_y - ref_y).max()) > 5e-2 * scale  # the scale matters at these values
+    assert mx.allclose(k2[:, :, :offset + L], ref_k, atol=2e-2).item()
+
+
+def test_query_row_scale_comes_with_its_plan(native_ext):
+    arrays, config = _case_layer(CASES[0])
+    names = sorted(arrays)
+    ws = [arrays[n] for n in names]
+    x = mx.zeros((2, 6, 256))
+    kb = native_ext.kv_reserve([2, 1, 32, 64])
+    plain = native_ext.decoder_layer_plan(names, {k: float(v) for k, v in config.items()})
+    scaled = native_ext.decoder_layer_plan(names, {**{k: float(v) for k, v in config.items()}, "q_row_scale": 1.0})
+    with pytest.raises(ValueError, match="needs q_scale"):
+        native_ext.decoder_layer(x, ws, kb, kb, 0, True, scaled)
+    with pytest.raises(ValueError, match="takes no q_scale"):
+        native_ext.decoder_layer(x, ws, kb, kb, 0, True, plain, q_scale=mx.ones((6,)))
+    for bad in (mx.ones((5,)), mx.ones((6,), dtype=mx.float16), mx.ones((3, 6))):
+        with pytest.raises(ValueError, match="q_scale must be float32 with L or B \\* L"):
+            native_ext.decoder_layer(x, ws, kb, kb, 0, True, scaled, q_scale=bad)
 
 
 def test_plan_rejects_what_is_not_a_layer(native_ext):
