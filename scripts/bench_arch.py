@@ -27,7 +27,7 @@ import numpy as np
 class Arch:
     """The shapes of a model, from its Hugging Face config.json."""
 
-    gguf_arch: str  # llama / qwen3 / gemma3 / phi3 / olmo2
+    gguf_arch: str  # llama / qwen3 / gemma3 / phi3 / olmo2 / mistral3
     source: str  # the model whose config.json these values copy
     hidden: int
     layers: int
@@ -44,6 +44,8 @@ class Arch:
     sliding_window: int = 0  # gemma3: every 6th layer global, the others see this many tokens
     rotary_dims: int = 0  # phi3: partial_rotary_factor * head_dim (0: the whole head)
     llama3_rope: tuple = ()  # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    yarn: tuple = ()  # mistral3: (factor, original_max_position_embeddings, beta_fast, beta_slow)
+    attn_temp: float = 0.0  # mistral3: llama_4_scaling_beta (queries x 1 + beta log(1 + floor(pos / original)))
 
 
 ARCHS: dict[str, Arch] = {
@@ -61,6 +63,9 @@ ARCHS: dict[str, Arch] = {
                       4096, rotary_dims=96),
     "olmo2-1b": Arch("olmo2", "allenai/OLMo-2-0425-1B", 2048, 16, 16, 16, 128, 8192, 100352, 500000.0, 1e-6, 4096,
                      tied=False),
+    # the text model of Ministral 3 3B (its config.json's text_config)
+    "ministral3-3b": Arch("mistral3", "mistralai/Ministral-3-3B-Instruct-2512", 3072, 26, 32, 8, 128, 9216, 131072,
+                          1e6, 1e-5, 262144, yarn=(16.0, 16384, 32.0, 1.0), attn_temp=0.1),
 }
 SWA_PATTERN = 6  # gemma3: layers 5, 11, 17, ... attend globally (llama.cpp and mlx-lm both fix it at 6)
 QTYPES = ("Q4_0", "Q4_1")
@@ -72,7 +77,7 @@ def with_shape(arch: Arch, overrides: str) -> Arch:
     changes = {}
     for item in filter(None, overrides.split(",")):
         key, _, value = item.partition("=")
-        if key not in fields or key in ("gguf_arch", "source", "llama3_rope"):
+        if key not in fields or key in ("gguf_arch", "source", "llama3_rope", "yarn"):
             raise ValueError(f"--shape: unknown field {key!r} (one of hidden, layers, heads, kv_heads, head_dim, "
                              "ffn, vocab, rope_theta, eps, context, tied, rope_local_theta, sliding_window, rotary_dims)")
         changes[key] = (value.lower() in ("1", "true", "yes")) if key == "tied" else (
@@ -83,11 +88,13 @@ def with_shape(arch: Arch, overrides: str) -> Arch:
 
 
 def tiny(arch: Arch) -> Arch:
-    """The same architecture at test size (KBs): 2 layers (6 for gemma3, so one is global), 4-token window."""
+    """The same architecture at test size (KBs): 2 layers (6 for gemma3, so one is global), 4-token window, an
+    original context of 4 for YaRN (so that a short prompt crosses the llama-4 query scale's steps)."""
     return dataclasses.replace(
         arch, hidden=64, layers=6 if arch.gguf_arch == "gemma3" else 2, heads=4,
         kv_heads=1 if arch.kv_heads == 1 else 2, head_dim=16, ffn=128, vocab=512, context=256,
-        sliding_window=4 if arch.sliding_window else 0, rotary_dims=12 if arch.rotary_dims else 0)
+        sliding_window=4 if arch.sliding_window else 0, rotary_dims=12 if arch.rotary_dims else 0,
+        yarn=(arch.yarn[0], 4, *arch.yarn[2:]) if arch.yarn else ())
 
 
 # ------------------------------------------------------------------------------------------ tensors
@@ -198,7 +205,7 @@ def gguf_path(directory: Path, key: str, a: Arch, qtype: str, seed: int) -> Path
 def write_gguf(path: Path, a: Arch, qtype: str = "Q4_0", seed: int = 0, *, extra_tensors: dict | None = None,
                extra_meta: dict | None = None) -> Path:
     """Write the random GGUF (temp file, then rename; kept if it exists: same name, same content).
-    ``extra_tensors`` (F32 arrays) and ``extra_meta`` (uint32 / float32 values) are for tests."""
+    ``extra_tensors`` (F32 arrays) and ``extra_meta`` (uint32 / float32 / string values) are for tests."""
     import gguf
 
     path = Path(path)
@@ -224,6 +231,16 @@ def write_gguf(path: Path, a: Arch, qtype: str = "Q4_0", seed: int = 0, *, extra
     if a.gguf_arch == "gemma3":
         w.add_sliding_window(a.sliding_window)
         w.add_float32(f"{a.gguf_arch}.rope.freq_base_swa", a.rope_local_theta)
+    if a.yarn:  # as llama.cpp's converter writes Ministral 3
+        factor, orig, fast, slow = a.yarn
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_yarn_beta_fast(fast)
+        w.add_rope_scaling_yarn_beta_slow(slow)
+    if a.attn_temp:
+        w.add_attn_temperature_scale(a.attn_temp)
+        w.add_attn_temperature_length(a.yarn[1] if a.yarn else a.context)
     tokens, types, merges = vocabulary(a.vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
@@ -234,7 +251,8 @@ def write_gguf(path: Path, a: Arch, qtype: str = "Q4_0", seed: int = 0, *, extra
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     for key, value in (extra_meta or {}).items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+        add = w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32
+        add(key, value)
     specs = tensors(a)
     block_bytes = gguf.GGML_QUANT_SIZES[qt][1]
     for name, shape, _ in specs:
@@ -282,6 +300,14 @@ def hf_config(a: Arch) -> dict:
         cfg.update(model_type="phi3", partial_rotary_factor=(a.rotary_dims or a.head_dim) / a.head_dim)
     elif a.gguf_arch == "olmo2":
         cfg["model_type"] = "olmo2"
+    elif a.gguf_arch == "mistral3":
+        params = {"rope_theta": cfg.pop("rope_theta"), "llama_4_scaling_beta": a.attn_temp,
+                  "original_max_position_embeddings": a.yarn[1] if a.yarn else a.context}
+        if a.yarn:
+            factor, orig, fast, slow = a.yarn
+            params.update(rope_type="yarn", type="yarn", factor=factor, beta_fast=fast, beta_slow=slow, mscale=1.0,
+                          mscale_all_dim=1.0)
+        cfg.update(model_type="ministral3", rope_parameters=params)
     return cfg
 
 
@@ -297,7 +323,7 @@ def hf_weights(a: Arch, qtype: str = "Q4_0", seed: int = 0) -> dict[str, np.ndar
             continue
         if arr.dtype == np.uint8:
             arr = gguf.quants.dequantize(arr, qt).astype(np.float32)
-            if a.gguf_arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            if a.gguf_arch in ("llama", "mistral3") and name.endswith(("attn_q.weight", "attn_k.weight")):
                 n = a.heads if name.endswith("attn_q.weight") else a.kv_heads
                 hf_rows = np.empty_like(arr)
                 hf_rows[_llama_permute(arr.shape[0], n)] = arr  # W_gguf[i] = W_hf[perm[i]]

@@ -15,8 +15,8 @@ Roles:
 
 The one-op decoder layer has its own table next to this one: ``kernels.spec.BUILDERS`` maps a block class (same
 identity rule, same versions) to the builder that reads a block into a ``LayerSpec`` (gemma3_text and phi3
-blocks are only there, olmo2/olmo3/ministral3 blocks too (their MLPs are rows here): their layers have no per-op fused
-attention or block path).
+blocks are only there, olmo2/olmo3/ministral3 blocks too (their MLPs are rows here): their layers have no per-op
+fused attention or block path).
 
 Adding a family: a row here (per-op fused attention/MLP) and/or a builder in ``kernels.spec``, a tiny
 random-weight model in tests/models/tiny_arch.py, and the parity tests in tests/kernels/ (docs/cpu-kernels.md,

@@ -10,8 +10,8 @@ the op resolves the names once (``decoder_layer_plan``) and no position order ex
 ``BUILDERS`` maps an mlx-lm block class (module, class name; looked up by identity, for the versions in
 ``eligibility.VALIDATED_MLX_LM``) to the function that reads one block instance into a spec, or gives the one-line
 reason it cannot. Each builder reads the maths of that class' code in mlx-lm 0.32 (llama, qwen2, qwen3,
-qwen3_moe, gemma3_text, phi3, olmo2, olmo3, ministral3; SmolLM3 and Mistral run llama's classes). What a builder cannot see
-(a method changed under the same class) the load-time self-check (``kernels.selfcheck``) catches.
+qwen3_moe, gemma3_text, phi3, olmo2, olmo3, ministral3; SmolLM3 and Mistral run llama's classes). What a builder
+cannot see (a method changed under the same class) the load-time self-check (``kernels.selfcheck``) catches.
 """
 
 from __future__ import annotations
@@ -318,7 +318,8 @@ def _ministral3(block, _model_window: int) -> Built:
     attn = block.self_attn
     if not callable(getattr(ministral3, "_get_llama_4_attn_scale", None)):
         return "mlx-lm's ministral3 has no _get_llama_4_attn_scale"
-    if not all(isinstance(getattr(attn, n), (int, float)) for n in ("scaling_beta", "original_max_position_embeddings")):
+    if not all(isinstance(getattr(attn, n), (int, float))
+               for n in ("scaling_beta", "original_max_position_embeddings")):
         return "the attention's llama-4 scaling numbers are not numbers"
     spec = _prenorm(block, 0, "ministral3")
     if isinstance(spec, str):

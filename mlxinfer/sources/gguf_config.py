@@ -19,6 +19,8 @@ ARCHS = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
     "phi3": ("phi3", "Phi3ForCausalLM", False),
     "olmo2": ("olmo2", "Olmo2ForCausalLM", False),
+    # Ministral 3 (llama.cpp's mistral3, the text model of Mistral 3): llama's layer, YaRN, llama-4 query scaling
+    "mistral3": ("ministral3", "Ministral3ForCausalLM", True),
 }
 # Per-architecture GGUF block tensor names that differ from the llama mapping.
 BLOCK_NAMES = {
@@ -156,6 +158,9 @@ def llm_config(meta: dict, arch: str, has_output: bool) -> dict:
         })
     if arch == "phi3":
         _phi3_config(meta, config)
+    if arch == "mistral3":
+        _mistral3_config(meta, config)
+        return config
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
         if not isinstance(scaling, str):
@@ -182,6 +187,35 @@ def _phi3_config(meta: dict, config: dict) -> None:
     config["partial_rotary_factor"] = rot / head_dim
     config["original_max_position_embeddings"] = meta_int(
         meta, "phi3.rope.scaling.original_context_length", config["max_position_embeddings"], 1, 1 << 28)
+
+
+def _mistral3_config(meta: dict, config: dict) -> None:
+    """mlx-lm's ministral3 takes its RoPE and query scaling as ``rope_parameters``: YaRN (``rope.scaling.*``; the
+    magnitude scale stays 1, as llama.cpp's mistral3 graph cancels it) and the llama-4 query factor
+    1 + beta * log(1 + floor(pos / length)) from ``attention.temperature_scale`` (beta, 0: none) and
+    ``attention.temperature_length`` (default: the original context)."""
+    theta = config.pop("rope_theta")
+    params: dict[str, Any] = {"rope_theta": theta}
+    scaling = meta.get("mistral3.rope.scaling.type")
+    context = config["max_position_embeddings"]
+    orig = meta_int(meta, "mistral3.rope.scaling.original_context_length", context, 1, 1 << 28)
+    if scaling == "yarn":
+        params.update({"rope_type": "yarn", "type": "yarn", "original_max_position_embeddings": orig,
+                       "factor": meta_float(meta, "mistral3.rope.scaling.factor", 1.0, positive=True),
+                       "beta_fast": meta_float(meta, "mistral3.rope.scaling.yarn_beta_fast", 32.0, positive=True),
+                       "beta_slow": meta_float(meta, "mistral3.rope.scaling.yarn_beta_slow", 1.0, positive=True),
+                       "mscale": 1.0, "mscale_all_dim": 1.0})
+    elif scaling not in (None, "none"):
+        raise InvalidModel(f"GGUF metadata 'mistral3.rope.scaling.type' is {_short(scaling)}; mistral3 files use "
+                           "yarn or none", hint="this RoPE scaling is not supported yet")
+    params["llama_4_scaling_beta"] = meta_float(meta, "mistral3.attention.temperature_scale", 0.0)
+    params["original_max_position_embeddings"] = meta_int(meta, "mistral3.attention.temperature_length", orig,
+                                                          1, 1 << 28)
+    if params.get("rope_type") == "yarn" and params["original_max_position_embeddings"] != orig:
+        raise InvalidModel("GGUF metadata 'mistral3.attention.temperature_length' differs from "
+                           "'mistral3.rope.scaling.original_context_length' (mlx-lm's ministral3 has one original "
+                           "context for both)", hint="this file's layout is not supported")
+    config["rope_parameters"] = params
 
 
 def phi3_longrope(long: np.ndarray, short: np.ndarray, config: dict) -> dict:

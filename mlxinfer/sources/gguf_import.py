@@ -4,7 +4,7 @@
   float16 rounding of their per-32 scales (``gguf_quants``).
 - Other K-quants, IQ and block types are dequantized by the ``gguf`` package and re-quantized with
   ``mx.quantize`` (group size 32) at the closest MLX bit width; F32/F16/BF16 matrices are kept as they are.
-- Architectures: llama (and mistral), qwen2, qwen3, gemma3, phi3, olmo2 (``gguf_config.ARCHS``). llama.cpp
+- Architectures: llama (and mistral), qwen2, qwen3, gemma3, phi3, olmo2, mistral3 (``gguf_config.ARCHS``). llama.cpp
   permutes the rows of llama-family Q/K projections for its interleaved RoPE; we undo that so the result has the
   Hugging Face layout and runs with mlx-lm's default (non-traditional) RoPE. Gemma's norms are stored as 1 + w: shifted back.
 - The tokenizer is rebuilt from the metadata (``gguf_tokenizer``); ``general.*`` lands in config.json's

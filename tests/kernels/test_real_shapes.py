@@ -1,12 +1,14 @@
 """Fused layers at real shapes: random Q4_0 weights with the real hidden size, heads, KV heads, head size,
-intermediate size and RoPE settings of Llama-3.2-1B, Gemma-3-270M and OLMo-2-1B (scripts/bench_arch.py's table; fewer
-layers and a small vocabulary for time), through the GGUF import, native kernels against MLX's built-ins over a
-24-token prefill and 8 decode steps.
+intermediate size and RoPE settings of Llama-3.2-1B, Gemma-3-270M, OLMo-2-1B and Ministral-3-3B
+(scripts/bench_arch.py's table; fewer layers and a small vocabulary for time), through the GGUF import, native
+kernels against MLX's built-ins over a 24-token prefill and 8 decode steps.
 
 The tiny models of test_spec_layers.py cover every family's layer variants; these cover what only real sizes
 reach: K = 8192 in down_proj (16 blocks of the prefill GEMM's 512-k tiles), Gemma's 256-wide heads with one KV
 head for four query heads (both its sliding layers, window 16 here so that the prompt runs past it, and its
-global one), Llama 3's RoPE scaling, 32 query heads on 8 KV heads, OLMo 2's q/k norms over 2048-wide rows.
+global one), Llama 3's RoPE scaling, 32 query heads on 8 KV heads, OLMo 2's q/k norms over 2048-wide rows,
+Ministral 3's YaRN periods on 128-wide heads (its llama-4 query scale is 1 below 16384 positions: the tiny models
+and test_decoder_layer.py cover it).
 
 Tolerances, as max |logit difference| / logit standard deviation (measured on this AVX2 CPU): float32 prefill
 activations 4.8e-5 to 5.7e-5 (rounding of the float16 KV cache and the int16 decode activations) -> ``FLOAT_TOL``;
@@ -39,6 +41,7 @@ CASES = {
     "llama-3.2-1b": "layers=1,vocab=1024",
     "gemma3-270m": "layers=6,vocab=1024,sliding_window=16",  # mlx-lm's gemma3 needs its 6-layer pattern
     "olmo2-1b": "layers=1,vocab=1024",
+    "ministral3-3b": "layers=1,vocab=1024",
 }
 
 pytestmark = pytest.mark.skipif(native.problem() is not None, reason=f"native kernels: {native.problem()}")

@@ -1,13 +1,14 @@
 """scripts/bench_arch.py: the random GGUFs ``cpu_bench.py --arch`` feeds both engines, at test size.
 
-Per architecture (llama with Llama-3 RoPE factors, qwen3, gemma3, phi3, olmo2) and 4-bit type: mlxinfer's GGUF import
-of the written file gives the logits of the mlx-lm model built independently from the table's config and the
-file's dequantized weights — over a prompt and decode steps, with built-in and with native kernels. The
+Per architecture (llama with Llama-3 RoPE factors, qwen3, gemma3, phi3, olmo2, mistral3) and 4-bit type: mlxinfer's
+GGUF import of the written file gives the logits of the mlx-lm model built independently from the table's config
+and the file's dequantized weights — over a prompt and decode steps, with built-in and with native kernels. The
 llama.cpp comparison runs only where --llama-python's venv has llama_cpp (MLXINFER_LLAMA_PYTHON).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -55,8 +56,13 @@ def test_import_matches_the_reference_model(tmp_path, key, qtype):
 
     loaded = mlxinfer.load(str(path), kernels="builtin")
     config = json.loads((Path(loaded.path) / "config.json").read_text())
-    for field, value in bench_arch.hf_config(arch).items():  # metadata floats are float32
-        assert config[field] == (pytest.approx(value, rel=1e-6) if isinstance(value, float) else value), field
+    def same(got, want):  # metadata floats are float32
+        if isinstance(want, dict):
+            return isinstance(got, dict) and got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
+        return got == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want)
+
+    for field, value in bench_arch.hf_config(arch).items():
+        assert same(config[field], value), (field, config[field], value)
     # the 4-bit blocks repack exactly: only float summation order differs
     np.testing.assert_allclose(_logits(loaded.model, prompt, follow), want, rtol=1e-4, atol=1e-4)
 
@@ -79,7 +85,8 @@ def test_import_matches_the_reference_model(tmp_path, key, qtype):
 # parameter counts of the real checkpoints (safetensors totals, tied embeddings counted once)
 PUBLISHED = {"smollm2-135m": 134_515_008, "llama-3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920,
              "gemma3-270m": 268_098_176, "gemma3-1b": 999_885_952, "phi4-mini": 3_836_021_760,
-             "olmo2-1b": 1_484_916_736}  # olmo2: its config's shapes summed; the model card says 1.48B
+             "olmo2-1b": 1_484_916_736,  # olmo2: its config's shapes summed; the model card says 1.48B
+             "ministral3-3b": 3_429_006_336}  # its text_config's shapes summed (the vision tower left out)
 
 
 @pytest.mark.parametrize("key", list(bench_arch.ARCHS))
@@ -122,7 +129,7 @@ def _llama_cpp() -> bool:
 
 @pytest.mark.skipif(not _llama_cpp(), reason=f"no llama-cpp-python at {LLAMA_PYTHON}")
 @pytest.mark.parametrize("key", ["smollm2-135m", "llama-3.2-1b", "qwen3-0.6b", "gemma3-270m", "phi4-mini",
-                                 "olmo2-1b"])
+                                 "olmo2-1b", "ministral3-3b"])
 def test_llama_cpp_reads_the_same_model(tmp_path, key, float_prefill):
     """The file is the ground truth for both engines: llama.cpp's logits agree with mlxinfer's (llama.cpp
     quantizes activations to 8 bits for its 4-bit dot products: a few % of the logit spread). mlxinfer's native
@@ -130,6 +137,11 @@ def test_llama_cpp_reads_the_same_model(tmp_path, key, float_prefill):
     flipped 3 of 12 near-tied top-1 tokens of a random tiny model; the int8 default's own accuracy is held in
     tests/kernels/test_spec_layers.py and test_real_shapes.py."""
     arch = bench_arch.with_shape(bench_arch.tiny(bench_arch.ARCHS[key]), "hidden=128,head_dim=32,ffn=256,vocab=1024")
+    if arch.yarn:
+        # YaRN factor 1 (its frequencies unchanged): llama.cpp 0.3.36's mistral3 graph multiplies q and k by YaRN's
+        # 1 + 0.1 ln(factor), which Ministral 3's config (mscale = mscale_all_dim) and llama.cpp's later mistral3
+        # graph (attn_factor cancelling it) do not; the llama-4 query scale (original context 4) is still checked.
+        arch = dataclasses.replace(arch, yarn=(1.0, *arch.yarn[1:]))
     path = bench_arch.write_gguf(tmp_path / f"{key}.gguf", arch, "Q4_0")
     try:
         out = bench_arch.check_logits(path, arch, llama_python=LLAMA_PYTHON, threads=2, n_prompt=12, n_follow=4)
@@ -197,5 +209,27 @@ def test_olmo2_file_that_does_not_match_its_metadata_is_refused(tmp_path, monkey
         name = "blk.0.attn_q_norm.weight"
     path = bench_arch.write_gguf(tmp_path / "bad.gguf", arch, "Q4_0")
     with pytest.raises(InvalidModel, match=name.replace(".", r"\.")):
+        mlxinfer.load(str(path))
+    assert not list((tmp_path / "cache").rglob("model.safetensors"))
+
+
+
+@pytest.mark.parametrize("meta,match", [
+    ({"mistral3.attention.temperature_length": 7}, "'mistral3.attention.temperature_length' differs from"),
+    ({"mistral3.attention.temperature_scale": -1.0}, "'mistral3.attention.temperature_scale' is -1.0, not a non-neg"),
+    ({"mistral3.rope.scaling.type": "linear"}, "'mistral3.rope.scaling.type' is 'linear'; mistral3 files use yarn"),
+])
+def test_mistral3_metadata_that_does_not_fit_is_refused(tmp_path, meta, match):
+    """Ministral 3's YaRN and query-scale metadata is checked before anything is written: one line naming the key,
+    nothing imported into the cache (each file has no temperature keys of its own; the one with a scaling type
+    of its own has no YaRN keys)."""
+    import mlxinfer
+    from mlxinfer.errors import InvalidModel
+
+    arch = dataclasses.replace(bench_arch.tiny(bench_arch.ARCHS["ministral3-3b"]), attn_temp=0.0)
+    if "mistral3.rope.scaling.type" in meta:
+        arch = dataclasses.replace(arch, yarn=())
+    path = bench_arch.write_gguf(tmp_path / "bad.gguf", arch, "Q4_0", extra_meta=meta)
+    with pytest.raises(InvalidModel, match=match):
         mlxinfer.load(str(path))
     assert not list((tmp_path / "cache").rglob("model.safetensors"))
