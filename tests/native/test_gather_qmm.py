@@ -8,8 +8,15 @@ test_quantized_matmul); 1e-4 of the largest output. A wrong expert or row order 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import mlx.core as mx
 import pytest
+
+from isa_variants import isa_variants
 
 pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
 
@@ -70,3 +77,40 @@ def test_refuses_what_it_does_not_take(native_ext):
         native_ext.gather_qmm(mx.random.normal((3, 1, K)), wq, s, b, mx.zeros((2,), mx.uint32), group_size=64, bits=4)
     with pytest.raises(Exception, match="out of range"):
         mx.eval(native_ext.gather_qmm(x, wq, s, b, idx + E, group_size=64, bits=4))
+
+
+_DOWN_ROWS = textwrap.dedent(
+    """
+    import mlx.core as mx
+    from mlxinfer import native
+    ext = native.extension()
+    mx.random.seed(5)
+    E, N, K = 20, 72, 512
+    worst = 0.0
+    # Two tokens, top 8 each: 15 experts read one row of their own, expert 3 reads two.
+    idx = mx.array([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 3]], dtype=mx.uint32)
+    for bits in (4, 8):
+        for gs in (32, 64, 128):
+            wq, s, b = mx.quantize(mx.random.normal((E, N, K)), group_size=gs, bits=bits)
+            x = mx.random.normal((2, 8, 1, K))  # (tokens, top_k, 1, K): mlx-lm's SwitchGLU down projection
+            want = mx.gather_qmm(x, wq, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits)
+            got = ext.gather_qmm(x, wq, s, b, idx, group_size=gs, bits=bits)
+            worst = max(worst, (mx.abs(got - want).max() / mx.abs(want).max()).item())
+    print(ext.isa(), worst)
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2float", "avx2i8", "avx2", "avx512", "avx512vnni", "neon"])
+def test_down_projection_rows_on_every_kernel_set(native_ext, isa):
+    """The down projection: each (token, expert) pair has its own x row and one expert is read by two tokens; every
+    decode kernel set's x layout (float32, int16, int8) must pair the right row with the right expert."""
+    if isa not in isa_variants(native_ext.isa()):
+        pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run {isa}")
+    env = {**os.environ, "MLXINFER_ISA": isa, "MLXINFER_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-c", _DOWN_ROWS], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got_isa, worst = proc.stdout.split()
+    assert got_isa.split("+")[0] == isa
+    # int8 x (avx2i8's 4-bit decode) is ~0.5% off; the other layouts ~1e-5. A wrong row is off by order 1.
+    assert float(worst) < (2e-2 if isa == "avx2i8" else 1e-4), worst
