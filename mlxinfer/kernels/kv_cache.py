@@ -322,13 +322,29 @@ def whole_caches(model: Any) -> list:
             for c in make_prompt_cache(model)]
 
 
+def own_make_cache(model: Any) -> Optional[Callable[[Any], list]]:
+    """The model's own cache factory, called with the model: its class' ``make_cache``, or for a multimodal
+    wrapper without one (mlx-lm's ``mistral3`` around ``ministral3``) its text model's, when that model's layers
+    are the wrapper's. mlx-lm's ``make_prompt_cache`` gives such a wrapper a plain ``KVCache`` per layer, so its
+    sliding-window layers would hold the whole context instead of the window (the mask keeps the maths right)."""
+    own = getattr(type(model), "make_cache", None)
+    if own is not None:
+        return own
+    text = getattr(model, "language_model", None)
+    text_own = getattr(type(text), "make_cache", None) if text is not None else None
+    outer, inner = list(getattr(model, "layers", None) or []), list(getattr(text, "layers", None) or [])
+    if text_own is None or not outer or len(outer) != len(inner) or any(a is not b for a, b in zip(outer, inner)):
+        return None
+    return lambda m: text_own(m.language_model)
+
+
 def cache_maker(model: Any, windowed: frozenset = frozenset()) -> Callable[[], list]:
-    """A ``make_cache`` for ``model``: what its class' ``make_cache`` makes (or, without one, what mlx-lm's
-    ``make_prompt_cache`` makes: a ``KVCache`` per layer), each plain ``KVCache`` an InPlaceKVCache; so are the
+    """A ``make_cache`` for ``model``: what its own factory makes (:func:`own_make_cache`; without one, what
+    mlx-lm's ``make_prompt_cache`` makes: a ``KVCache`` per layer), each plain ``KVCache`` an InPlaceKVCache; so are the
     ``RotatingKVCache``s of the layers in ``windowed`` (one-op sliding-window layers) InPlaceRotatingKVCaches
     of the same size. It holds the model weakly, so that setting it on the model
     makes no reference cycle (the weights go with the model)."""
-    own = getattr(type(model), "make_cache", None)
+    own = own_make_cache(model)
     ref = weakref.ref(model)
 
     def make_cache() -> list:

@@ -198,7 +198,7 @@ def _windowed_layers(model: nn.Module) -> frozenset:
     ``RotatingKVCache``: gemma3_text's local layers, olmo3's sliding ones), when every one of them runs as one op
     with a window (their caches then become InPlaceRotatingKVCaches the op writes in place), else none."""
     blocks = list(getattr(model, "layers", None) or [])
-    own = getattr(type(model), "make_cache", None)
+    own = kv_cache.own_make_cache(model)
     if own is None or not blocks:
         return frozenset()
     caches = own(model)

@@ -216,3 +216,35 @@ def test_batched_rows_and_an_extracted_row_match_alone(model):
     got += [_step(model, row, [t]) for t in tokens[together:]]
     assert type(row[0]) is InPlaceRotatingKVCache and row[0].offset == len(PROMPT) + len(tokens)
     assert _rel_err(mx.stack(got), mx.stack(want)) < REL_TOL
+
+
+def test_a_multimodal_wrapper_gets_its_text_models_window_caches(native, monkeypatch, float_prefill):
+    """mlx-lm's mistral3 (Ministral 3 in mlx-community's multimodal layout) has no make_cache, so mlx-lm gives its
+    sliding layers plain caches that grow with the context. mlxinfer asks the text model (ministral3): a
+    RotatingKVCache of the window on MLX's built-ins, the op's in-place one with the kernels; logits as those of
+    the built-ins on mlx-lm's plain caches (the window mask keeps that maths right) over 60 decode steps."""
+    monkeypatch.setenv("MLXINFER_KV_DTYPE", "float32")
+    text = {**tiny_arch.config_for("ministral3"), "sliding_window": WINDOW, "head_dim": 32,
+            "layer_types": ["sliding_attention", "full_attention"]}
+    model = tiny_arch.make_model("mistral3", overrides={"text_config": text})
+    try:
+        assert not hasattr(model, "make_cache")  # mlx-lm's wrapper as it is
+        tokens = _greedy_tokens(model, 60)
+        script = [PROMPT] + [[t] for t in tokens]
+        want = _run(model, script)  # make_prompt_cache: a plain KVCache per layer
+        builtin = make_cache(model)
+        assert type(builtin[0]) is cache_lib.RotatingKVCache and builtin[0].max_size == WINDOW
+        assert type(builtin[1]) is cache_lib.KVCache
+        assert "2 decoder layers as one op" in patch.apply_kernels(model, "auto").detail
+        sizes = {}
+
+        def measure(i, cache):
+            if i == len(script) - 1:
+                sizes.update(kind=type(cache[0]), sliding=cache[0].keys.shape[2], offset=cache[0].offset)
+
+        got = _run(model, script, measure)
+        assert sizes["kind"] is InPlaceRotatingKVCache and sizes["offset"] == len(PROMPT) + 60
+        assert sizes["sliding"] <= WINDOW + WINDOW // 4, sizes
+        assert _rel_err(got, want) < REL_TOL, _rel_err(got, want)
+    finally:
+        patch.apply_kernels(model, "builtin")
