@@ -13,7 +13,6 @@
 // file (vpdpbusd); 8-bit weights and attention keep the float32 AVX-512 kernels.
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -30,17 +29,6 @@ static inline __m512 load_scales(const void* base, ScaleType t, size_t off, int 
   const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(base) + off);
   return t == ScaleType::f16 ? _mm512_cvtph_ps(h)
                              : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// Sums of four vectors, one float each, in lanes 0..3.
-static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  // 128-bit lane j now holds 4 partial sums of vector j (a, b, c, d).
-  __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
-  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), v));
 }
 
 // Reads a (lo, hi) float pair and spreads it over lanes 0-7 and 8-15: the scales of two 32-groups that share
@@ -101,80 +89,57 @@ __attribute__((always_inline)) static inline void unit_dot(const QmmArgs& a, con
   }
 }
 
-// Prefetch distance in bytes (1024, 2048 and 4096 measured within 3% of each other on Llama-1B shapes).
+// Prefetch distance in bytes (Dec 6, 600 MB of 8192 x 2048 matrices cycled, GB/s: none 14.6, 1024 18.8, 2048 20.6,
+// 4096 20.6, 8192 19.7; hints T1/T2/NTA slower than T0).
 constexpr int kPrefetch = 2048;
-// Rows up to this many bytes go R at a time (measured: SmolLM2's 288/768-byte rows +8% decode; Llama-1B's
-// 1024-byte rows -8% when blocked, as 4 side-by-side streams per thread prefetch worse from DRAM).
-constexpr size_t kBlockRowsMaxBytes = 768;
 
-// R consecutive output rows at once (R = 4 for a single x row): their dependency chains interleave and one
-// transposed reduction finishes all four, which matters for short rows (SmolLM2's K = 576 is 9 units).
-template <int MM, int R, int BITS, int GS>
-static inline void qmv_block(const QmmArgs& a, int n, float* sd) {
+// One output row for all MM x rows. Rows go one at a time at every length: one stream per thread prefetches best
+// from DRAM (Dec 6, rows of 288 / 576 / 768 bytes streamed from 600 MB: 18.8 / 19.4 / 22.2 GB/s one at a time vs
+// 15.7 / 17.8 / 19.3 four side by side; Gemma-3-1B decode +6%, Qwen3-0.6B +7%, SmolLM2 from cache unchanged).
+template <int MM, int BITS, int GS>
+static inline void qmv_row(const QmmArgs& a, int n, float* sd) {
   const int K = a.K, ng = K / GS, gp = a.gpad;
   const size_t row_bytes = (size_t)K * BITS / 8;
   constexpr int unit_elems = BITS == 4 && GS == 32 ? 64 : GS;
   constexpr int unit_bytes = unit_elems * BITS / 8;
   const int nfull = K / unit_elems;       // units with all their bytes
   const bool tail = K % unit_elems != 0;  // 4-bit GS 32 with K % 64 == 32
-  __m512 acc0[R][MM], acc1[R][MM];
-  for (int r = 0; r < R; ++r) {
-    for (int m = 0; m < MM; ++m) acc0[r][m] = acc1[r][m] = _mm512_setzero_ps();
-    // sd[r][m][g] = s[g] * d[m][g] for the unit loop; the bias term goes straight into acc1.
-    for (int g = 0; g < ng; g += 16) {
-      const size_t off = (size_t)(n + r) * ng + g;
-      const __m512 sv = load_scales(a.scales, a.stype, off, ng - g);
-      const __m512 bv = load_scales(a.biases, a.stype, off, ng - g);
-      for (int m = 0; m < MM; ++m) {
-        const size_t xo = (size_t)m * gp + g;
-        _mm512_store_ps(sd + (r * MM + m) * gp + g, _mm512_mul_ps(sv, _mm512_loadu_ps(a.xd + xo)));
-        acc1[r][m] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(a.xsum + xo), acc1[r][m]);
-        acc1[r][m] = _mm512_fmadd_ps(sv, _mm512_loadu_ps(a.xcorr + xo), acc1[r][m]);
-      }
+  __m512 acc0[MM], acc1[MM];
+  for (int m = 0; m < MM; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
+  // sd[m][g] = s[g] * d[m][g] for the unit loop; the bias term goes straight into acc1.
+  for (int g = 0; g < ng; g += 16) {
+    const size_t off = (size_t)n * ng + g;
+    const __m512 sv = load_scales(a.scales, a.stype, off, ng - g);
+    const __m512 bv = load_scales(a.biases, a.stype, off, ng - g);
+    for (int m = 0; m < MM; ++m) {
+      const size_t xo = (size_t)m * gp + g;
+      _mm512_store_ps(sd + m * gp + g, _mm512_mul_ps(sv, _mm512_loadu_ps(a.xd + xo)));
+      acc1[m] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(a.xsum + xo), acc1[m]);
+      acc1[m] = _mm512_fmadd_ps(sv, _mm512_loadu_ps(a.xcorr + xo), acc1[m]);
     }
   }
-  const uint8_t* w0 = a.w + (size_t)n * row_bytes;
-  // The R rows are contiguous and read side by side: prefetch at least one whole block ahead, or the
-  // prefetches of the first rows would land on rows this block is reading already.
-  const size_t pf = std::max<size_t>(kPrefetch, (size_t)R * row_bytes);
+  const uint8_t* wr = a.w + (size_t)n * row_bytes;
   // Two accumulator sets so consecutive units do not wait on each other's FMA.
   int u = 0;
   for (; u + 1 < nfull; u += 2) {
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* wr = w0 + r * row_bytes + u * unit_bytes;
-      // Weights stream from DRAM once per token: one prefetch per cache line, kPrefetch bytes ahead.
-      for (int l = 0; l < 2 * unit_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + l + pf), _MM_HINT_T0);
-      unit_dot<MM, BITS, GS>(a, wr, u, sd + r * MM * gp, acc0[r], false);
-      unit_dot<MM, BITS, GS>(a, wr + unit_bytes, u + 1, sd + r * MM * gp, acc1[r], false);
-    }
+    const uint8_t* wu = wr + u * unit_bytes;
+    // Weights stream from DRAM once per token: one prefetch per cache line, kPrefetch bytes ahead.
+    for (int l = 0; l < 2 * unit_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wu + l + kPrefetch), _MM_HINT_T0);
+    unit_dot<MM, BITS, GS>(a, wu, u, sd, acc0, false);
+    unit_dot<MM, BITS, GS>(a, wu + unit_bytes, u + 1, sd, acc1, false);
   }
-  for (int r = 0; r < R; ++r) {
-    const uint8_t* wr = w0 + r * row_bytes;
-    if (u < nfull) unit_dot<MM, BITS, GS>(a, wr + u * unit_bytes, u, sd + r * MM * gp, acc0[r], false);
-    if (tail) unit_dot<MM, BITS, GS>(a, wr + nfull * unit_bytes, nfull, sd + r * MM * gp, acc1[r], true);
-  }
-  if constexpr (R == 4 && MM == 1) {
-    const __m128 sums = reduce4(_mm512_add_ps(acc0[0][0], acc1[0][0]), _mm512_add_ps(acc0[1][0], acc1[1][0]),
-                                _mm512_add_ps(acc0[2][0], acc1[2][0]), _mm512_add_ps(acc0[3][0], acc1[3][0]));
-    _mm_storeu_ps(a.out + n, sums);
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MM; ++m)
-        a.out[(size_t)m * a.N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r][m], acc1[r][m]));
-  }
+  if (u < nfull) unit_dot<MM, BITS, GS>(a, wr + u * unit_bytes, u, sd, acc0, false);
+  if (tail) unit_dot<MM, BITS, GS>(a, wr + nfull * unit_bytes, nfull, sd, acc1, true);
+  for (int m = 0; m < MM; ++m)
+    a.out[(size_t)m * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
 }
 
 template <int MM, int BITS, int GS>
 static void qmv_rows(const QmmArgs& a, int n0, int n1) {
-  constexpr int R = MM == 1 ? 4 : 1;
   thread_local std::vector<float> store;
-  store.resize((size_t)R * MM * a.gpad + 16);
+  store.resize((size_t)MM * a.gpad + 16);
   float* sd = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
-  int n = n0;
-  // Long rows have little per-row overhead to share, and one stream per thread prefetches best from DRAM.
-  if ((size_t)a.K * BITS / 8 <= kBlockRowsMaxBytes)
-    for (; n + R <= n1; n += R) qmv_block<MM, R, BITS, GS>(a, n, sd);
-  for (; n < n1; ++n) qmv_block<MM, 1, BITS, GS>(a, n, sd);
+  for (int n = n0; n < n1; ++n) qmv_row<MM, BITS, GS>(a, n, sd);
 }
 
 template <int MM, int BITS>
