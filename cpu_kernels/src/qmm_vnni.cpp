@@ -95,7 +95,8 @@ constexpr int kPrefetch = 2048;
 
 // One output row for all MM x rows. Rows go one at a time at every length: one stream per thread prefetches best
 // from DRAM (Dec 6, rows of 288 / 576 / 768 bytes streamed from 600 MB: 18.8 / 19.4 / 22.2 GB/s one at a time vs
-// 15.7 / 17.8 / 19.3 four side by side; Gemma-3-1B decode +6%, Qwen3-0.6B +7%, SmolLM2 from cache unchanged).
+// 15.7 / 17.8 / 19.3 four side by side; decode, 2 interleaved runs: Gemma-3-1B +9%, Qwen3-0.6B +12%, SmolLM2
+// from cache not slower).
 template <int MM, int BITS, int GS>
 static inline void qmv_row(const QmmArgs& a, int n, float* sd) {
   const int K = a.K, ng = K / GS, gp = a.gpad;
