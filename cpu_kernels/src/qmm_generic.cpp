@@ -91,7 +91,18 @@ const KernelSet& select_kernels() {
     }
     if (want == "avx2" && has2) return with_integer_prefill(avx2int_kernels());
     if (want == "avx2i8" && has2) return with_integer_prefill(avx2i8_kernels());
-    if ((want.empty() || want == "avx512vnni") && vnni) return with_integer_prefill(avx512vnni_kernels());
+    // AMX-BF16 prefill on the VNNI set where the CPU and OS allow it, under the default (precise) prefill only:
+    // MLXINFER_PREFILL=int8|int16|float asks for another GEMM.
+    const char* prefill = std::getenv("MLXINFER_PREFILL");
+    const bool default_prefill = !prefill || (std::strcmp(prefill, "int8") && std::strcmp(prefill, "int16") &&
+                                              std::strcmp(prefill, "float"));
+    if ((want.empty() || want == "avx512amx") && vnni && default_prefill && amx_bf16_usable()) {
+      KernelSet ks = with_amx_prefill(with_integer_prefill(avx512vnni_kernels()));
+      ks.isa = "avx512amx";
+      return ks;
+    }
+    if ((want.empty() || want == "avx512vnni" || want == "avx512amx") && vnni)
+      return with_integer_prefill(avx512vnni_kernels());
     if ((want.empty() || want == "avx512") && has512) return avx512_kernels();
     if (has2) return with_integer_prefill(avx2int_kernels());
 #elif defined(__aarch64__)
@@ -111,7 +122,7 @@ SdpaFn select_sdpa() {
     std::string isa = select_kernels().isa;
     isa = isa.substr(0, isa.find('+'));  // "avx2+int8-prefill": the attention is the base set's
 #if defined(__x86_64__) || defined(_M_X64)
-    if (isa == "avx512" || isa == "avx512vnni") return avx512_sdpa();
+    if (isa == "avx512" || isa == "avx512vnni" || isa == "avx512amx") return avx512_sdpa();
     if (isa == "avx2" || isa == "avx2float" || isa == "avx2i8") return avx2_sdpa();
 #elif defined(__aarch64__)
     if (isa == "neon") return neon_sdpa();

@@ -67,6 +67,17 @@ struct XInt8 {
 };
 using QmmI8Fn = void (*)(const QmmArgs&, const XInt8& x, int n0, int n1, void* scratch);
 
+// Prefill on AMX-BF16 tiles (qmm_amx.cpp): x split into bf16 hi + lo pairs, laid out as AMX's right operand.
+// tiles: [mblock of 16 rows][chunk of 32 k][hi, lo][16 pair rows r][16 x rows m][2], element (r, m, e) =
+// x[16 mb + m][32 c + 2 r + e]; xsum: [mblock][group][16] float32. Rows past M are zero.
+struct XBf16 {
+  int M;
+  const uint16_t* tiles;
+  const float* xsum;
+};
+using QmmBf16Fn = void (*)(const QmmArgs&, const XBf16& x, int n0, int n1);
+constexpr int kBf16RowBlock = 16;
+
 struct KernelSet {
   const char* isa;
   int pack_m;
@@ -91,6 +102,11 @@ struct KernelSet {
   QmmI8Fn qmm_i16 = nullptr;
   void (*prep_x16_gemm)(const float* x, int M, int K, int group_size, int mpad, int16_t* q, float* d, float* sum,
                         float* corr) = nullptr;
+  // AMX-BF16 prefill (4- and 8-bit weights) when set: the precise default where the CPU has it. prep_x_bf16 fills
+  // XBf16's buffers for row blocks [mb0, mb1) of kBf16RowBlock rows (sized by the caller for all of them).
+  QmmBf16Fn qmm_bf16 = nullptr;
+  void (*prep_x_bf16)(const float* x, int M, int K, int group_size, uint16_t* tiles, float* xsum, int mb0,
+                      int mb1) = nullptr;
 };
 
 KernelSet generic_kernels();
@@ -115,11 +131,16 @@ using I8MicroFn = void (*)(const uint8_t* wp, const float* sp, const float* bp, 
                            int nchunk, float* tile);
 I8MicroFn vnni_i8_micro(int chunks_per_group);   // 1, 2 or 4 (groups of 32, 64, 128)
 I8MicroFn vnni_i16_micro(int chunks_per_group);  // the same for int16 x
+// Whether this CPU has AMX-BF16 and Linux granted this process the tile state (asked once); qmm_amx.cpp.
+bool amx_bf16_usable();
+// ks with the AMX-BF16 prefill (qmm_bf16, prep_x_bf16); only where amx_bf16_usable().
+KernelSet with_amx_prefill(KernelSet ks);
 #elif defined(__aarch64__)
 KernelSet neon_kernels();
 #endif
 
-// Best set for this CPU (runtime dispatch), or the one forced by MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni
+// Best set for this CPU (runtime dispatch), or the one forced by
+// MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni|avx512amx
 // (x86) or generic|neon (arm64).
 const KernelSet& select_kernels();
 

@@ -334,6 +334,24 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     pool.run(static_cast<int>(tasks.size()), [&](int t, int) {
       ks.qmv(args[tasks[t].w], tasks[t].n0, tasks[t].n1);
     });
+  } else if (!i8 && ks.qmm_bf16) {
+    // AMX-BF16 prefill: x split into bf16 hi + lo tiles once (layout in XBf16), weights expanded per task.
+    const int mblocks = (M + kBf16RowBlock - 1) / kBf16RowBlock;
+    // In floats: 16 rows x K x (hi, lo) bf16 per m-block, then the group sums.
+    const size_t ntile = (size_t)mblocks * K * kBf16RowBlock, nsum = (size_t)mblocks * ng * kBf16RowBlock;
+    mx::array buf(mx::Shape{static_cast<int>(ntile + nsum + 16)}, mx::float32, nullptr, {});
+    buf.set_data(mx::allocator::malloc(buf.nbytes()));
+    // Tiles are loaded 64 bytes a row: align them to a cache line.
+    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data<float>()) + 63) & ~uintptr_t(63));
+    uint16_t* tiles = reinterpret_cast<uint16_t*>(base);
+    float* sums = base + ntile;
+    // Each row block splits on its own: on the pool (~1 ns an element, a tenth of a short prompt's GEMM alone).
+    pool.run(mblocks, [&](int t, int) { ks.prep_x_bf16(xf, M, K, group_size, tiles, sums, t, t + 1); });
+    const XBf16 xb{M, tiles, sums};
+    const std::vector<RowTask> tasks = split_rows(args, kPackN);
+    pool.run(static_cast<int>(tasks.size()), [&](int t, int) {
+      ks.qmm_bf16(args[tasks[t].w], xb, tasks[t].n0, tasks[t].n1);
+    });
   } else if (i8 || (bits == 4 && ks.qmm_i16)) {
     // Integer prefill: x rounded to int8 (or int16) per 32-block once (layout in XInt8), weights unpacked per
     // task. One MLX allocation, as for the packed float x below.

@@ -12,10 +12,13 @@ a build is used only when its stamp matches the running MLX (and, in a source ch
 ``problem()`` is the one line a front end shows when the kernels are off for a reason the user did not choose.
 
 Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
-(default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni`` (x86) or ``generic|neon`` (arm64)
-forces a kernel variant (for tests). Prefill of 4-bit weights (more than 8 rows) runs an integer GEMM where the set
-has one: on the AVX2 integer and AVX-512 VNNI sets x rounded to int16 per 32-element block by default (~1e-5 of an
-output's scale; 1.9x the float32 tiles with VNNI, 1.1-1.3x with AVX2's vpmaddwd); ``MLXINFER_PREFILL=int8`` rounds
+(default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni|avx512amx`` (x86) or
+``generic|neon`` (arm64) forces a kernel variant (for tests). Prefill (more than 8 rows) on a CPU with AMX-BF16
+(Intel Sapphire Rapids and later, when Linux grants the tile state) runs on AMX tiles by default: set
+``avx512amx``, x split into two bf16 parts, float32-grade results (~1e-6 of an output's scale), 4- and 8-bit weights.
+Elsewhere prefill of 4-bit weights runs an integer GEMM where the set has one: on the AVX2 integer and AVX-512 VNNI
+sets x rounded to int16 per 32-element block by default (~1e-5 of an output's scale; 1.9x the float32 tiles with
+VNNI, 1.1-1.3x with AVX2's vpmaddwd; ``MLXINFER_PREFILL=int16`` picks it over AMX); ``MLXINFER_PREFILL=int8`` rounds
 it to int8 on the AVX2 integer and VNNI sets (llama.cpp's Q8_0 grade: faster, but it flips near-tied greedy tokens,
 e.g. the bundled model's answer to "What is the capital of France?"; the set's name then ends in ``+int8-prefill``);
 ``MLXINFER_PREFILL=float`` keeps the float32 tiles.
@@ -148,7 +151,8 @@ def problem() -> Optional[str]:
             "(MLXINFER_NATIVE=0 hides this)")
 
 
-PREFILL_MODES = ("int8", "float")  # MLXINFER_PREFILL, as cpu_kernels/src/qmm_avx2i8gemm.cpp reads it
+# MLXINFER_PREFILL, as cpu_kernels/src/qmm_avx2i8gemm.cpp and select_kernels() (qmm_generic.cpp) read it
+PREFILL_MODES = ("int8", "int16", "float")
 
 
 def prefill_problem() -> Optional[str]:
@@ -158,7 +162,7 @@ def prefill_problem() -> Optional[str]:
     if value in PREFILL_MODES or value == "":
         return None
     return (f"MLXINFER_PREFILL={value!r} is not a prefill mode and is ignored (prefill keeps its default); set "
-            f"MLXINFER_PREFILL={' or '.join(PREFILL_MODES)}, or unset it")
+            f"MLXINFER_PREFILL={', '.join(PREFILL_MODES[:-1])} or {PREFILL_MODES[-1]}, or unset it")
 
 
 INT8_DECODE_SET = "avx2i8"  # the kernel set whose decode matvecs round x to int8 (MLXINFER_ISA=avx2i8)

@@ -101,7 +101,7 @@ _DOWN_ROWS = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2float", "avx2i8", "avx2", "avx512", "avx512vnni", "neon"])
+@pytest.mark.parametrize("isa", ["generic", "avx2float", "avx2i8", "avx2", "avx512", "avx512vnni", "avx512amx", "neon"])
 def test_down_projection_rows_on_every_kernel_set(native_ext, isa):
     """The down projection: each (token, expert) pair has its own x row and one expert is read by two tokens; every
     decode kernel set's x layout (float32, int16, int8) must pair the right row with the right expert."""

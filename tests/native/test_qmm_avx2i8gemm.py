@@ -207,12 +207,15 @@ _NAME = "from mlxinfer import native; print(native.extension().isa(), native.pre
     ("avx2", None, "avx2"), ("avx2", "int8", "avx2+int8-prefill"), ("avx2", "float", "avx2"),
     ("avx2i8", None, "avx2i8"), ("avx2i8", "int8", "avx2i8+int8-prefill"), ("avx2float", "int8", "avx2float"),
     ("avx2", "Float", "avx2"), ("avx512vnni", None, "avx512vnni"), ("avx512vnni", "int8", "avx512vnni+int8-prefill"),
-    ("avx512vnni", "float", "avx512vnni"), ("avx512", "int8", "avx512"),
+    ("avx512vnni", "float", "avx512vnni"), ("avx512", "int8", "avx512"), ("avx512vnni", "int16", "avx512vnni"),
+    ("avx512amx", None, "avx512amx"), ("avx512amx", "int16", "avx512vnni"), ("avx512amx", "float", "avx512vnni"),
+    ("avx512amx", "int8", "avx512vnni+int8-prefill"),
 ])
 def test_the_kernel_set_name_says_int8_prefill(native_ext, isa, prefill, name):
     """Int8 prefill is opt-in (MLXINFER_PREFILL=int8) on the AVX2 integer and AVX-512 VNNI sets, never on avx2float
     or avx512 (no VNNI: its float32 tiles); the name (kernel
-    report, bench provenance) carries the choice. An unknown value is ignored by the kernels and named in one line."""
+    report, bench provenance) carries the choice. The AMX set exists under the default prefill only: any other
+    MLXINFER_PREFILL gives the VNNI set. An unknown value is ignored by the kernels and named in one line."""
     _skip_unless_avx2(native_ext, isa)
     proc = subprocess.run([sys.executable, "-c", _NAME], env=_env(prefill, isa), capture_output=True, text=True,
                           timeout=120)
@@ -220,7 +223,7 @@ def test_the_kernel_set_name_says_int8_prefill(native_ext, isa, prefill, name):
     got, problem = proc.stdout.strip().split(" ", 1)
     assert got == name
     if prefill == "Float":
-        assert problem.startswith("MLXINFER_PREFILL='Float' is not a prefill mode") and "int8 or float" in problem
+        assert problem.startswith("MLXINFER_PREFILL='Float' is not a prefill mode") and "int8, int16 or float" in problem
     else:
         assert problem == "None"
 
@@ -254,7 +257,7 @@ def test_set_int8_prefill_switches_at_run_time(native_ext):
 
 
 def test_report_and_cli_name_a_bad_prefill_value(native_ext, monkeypatch):
-    """MLXINFER_PREFILL=Float (any value but int8|float): one warning line on stderr after a load and a warning
+    """MLXINFER_PREFILL=Float (any value but int8|int16|float): one warning line on stderr after a load and a warning
     clause in the kernel report, both saying how to fix it; the valid values and unset give none."""
     import io
     from types import SimpleNamespace
@@ -265,14 +268,14 @@ def test_report_and_cli_name_a_bad_prefill_value(native_ext, monkeypatch):
     from mlxinfer.ui.progress import warn_native_kernels
 
     loaded = SimpleNamespace(backend="cpu", kernels="cpu-native")
-    for value in ("int8", "float", ""):
+    for value in ("int8", "int16", "float", ""):
         monkeypatch.setenv("MLXINFER_PREFILL", value)
         assert native.prefill_problem() is None and not any("warning" in n for n in native.report_notes())
     monkeypatch.delenv("MLXINFER_PREFILL")
     assert native.prefill_problem() is None
     monkeypatch.setenv("MLXINFER_PREFILL", "in8")
     line = "MLXINFER_PREFILL='in8' is not a prefill mode and is ignored (prefill keeps its default); set " \
-           "MLXINFER_PREFILL=int8 or float, or unset it"
+           "MLXINFER_PREFILL=int8, int16 or float, or unset it"
     assert native.prefill_problem() == line
     assert f"warning: {line}" in native.report_notes()
     out = io.StringIO()
