@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 
 INT8_PREFILL_SETS = ("avx2", "avx2i8", "avx512vnni")  # the sets with the int8 prefill GEMM (opt-in: MLXINFER_PREFILL=int8)
@@ -27,3 +29,25 @@ def kernel_set_name(isa: str, env=None) -> str:
         isa = "avx512vnni"  # another prefill asked for: the VNNI set without AMX
     int8 = isa in INT8_PREFILL_SETS and prefill == "int8"
     return isa + ("+int8-prefill" if int8 else "")
+
+
+_KEEP = object()
+
+
+def run_under_isa(script: str, isa=None, *args, threads="2", prefill=_KEEP, timeout=600, env=None):
+    """Runs ``python -c script *args`` in a process forced to kernel set ``isa`` (None: the CPU's best) on
+    ``threads`` threads (None: the default), with MLXINFER_PREFILL set to ``prefill`` (None: unset; default: as
+    inherited): the kernel set is chosen once per process, so each variant needs its own. Returns the
+    CompletedProcess (text output captured)."""
+    run_env = {**(os.environ if env is None else env)}
+    for key, value in (("MLXINFER_ISA", isa), ("MLXINFER_THREADS", threads)):
+        if value is None:
+            run_env.pop(key, None)
+        else:
+            run_env[key] = value
+    if prefill is None:
+        run_env.pop("MLXINFER_PREFILL", None)
+    elif prefill is not _KEEP:
+        run_env["MLXINFER_PREFILL"] = prefill
+    return subprocess.run([sys.executable, "-c", script, *args], env=run_env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import mlx.core as mx
 import pytest
-from isa_variants import isa_variants
+from isa_variants import isa_variants, run_under_isa
 
 pytestmark = pytest.mark.slow  # needs the compiled extension
 
@@ -115,9 +112,7 @@ def test_every_isa_variant_and_thread_count(native_ext):
     and 3 threads gives MLX's answer."""
     for isa in isa_variants(native_ext.isa()):
         for threads in ("1", "3"):
-            env = {**os.environ, "MLXINFER_ISA": isa, "MLXINFER_THREADS": threads}
-            proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True,
-                                  timeout=120)
+            proc = run_under_isa(_ISA_SCRIPT, isa, threads=threads, timeout=120)
             assert proc.returncode == 0, proc.stderr + proc.stdout
             got_isa, got_threads = proc.stdout.split()[:2]
             assert (got_isa.split("+")[0], got_threads) == (isa, threads)  # "+int8-prefill" under MLXINFER_PREFILL

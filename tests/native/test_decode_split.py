@@ -4,13 +4,10 @@ CPU runs, in its own process (the kernel set is chosen once per process)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from isa_variants import isa_variants
+from isa_variants import isa_variants, run_under_isa
 
 pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
 
@@ -51,7 +48,6 @@ _SPLIT = textwrap.dedent(
 
 def test_split_does_not_change_rows(native_ext):
     for isa in isa_variants(native_ext.isa()):
-        env = dict(os.environ, MLXINFER_ISA=isa)
-        proc = subprocess.run([sys.executable, "-c", _SPLIT], env=env, capture_output=True, text=True, timeout=600)
+        proc = run_under_isa(_SPLIT, isa, threads=None)
         assert proc.returncode == 0, f"{isa}: {proc.stdout}{proc.stderr}"
         assert proc.stdout.strip().startswith("ok"), proc.stdout

@@ -8,15 +8,12 @@ test_quantized_matmul); 1e-4 of the largest output. A wrong expert or row order 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import mlx.core as mx
 import pytest
 
-from isa_variants import isa_variants, kernel_set_name
+from isa_variants import isa_variants, kernel_set_name, run_under_isa
 
 pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
 
@@ -107,10 +104,9 @@ def test_down_projection_rows_on_every_kernel_set(native_ext, isa):
     decode kernel set's x layout (float32, int16, int8) must pair the right row with the right expert."""
     if isa not in isa_variants(native_ext.isa()):
         pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run {isa}")
-    env = {**os.environ, "MLXINFER_ISA": isa, "MLXINFER_THREADS": "2"}
-    proc = subprocess.run([sys.executable, "-c", _DOWN_ROWS], env=env, capture_output=True, text=True, timeout=600)
+    proc = run_under_isa(_DOWN_ROWS, isa)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got_isa, worst = proc.stdout.split()
-    assert got_isa == kernel_set_name(isa, env)
+    assert got_isa == kernel_set_name(isa)
     # int8 x (avx2i8's 4-bit decode) is ~0.5% off; the other layouts ~1e-5. A wrong row is off by order 1.
     assert float(worst) < (2e-2 if isa == "avx2i8" else 1e-4), worst

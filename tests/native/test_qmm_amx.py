@@ -11,13 +11,10 @@ batch dim, and the residual."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from isa_variants import AMX_SET, isa_variants
+from isa_variants import AMX_SET, isa_variants, run_under_isa
 
 pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
 
@@ -61,12 +58,6 @@ _CASES = textwrap.dedent(
 )
 
 
-def _env(prefill=None):
-    env = {**os.environ, "MLXINFER_ISA": AMX_SET, "MLXINFER_THREADS": "2"}
-    env.pop("MLXINFER_PREFILL", None)
-    if prefill is not None:
-        env["MLXINFER_PREFILL"] = prefill
-    return env
 
 
 def _skip_unless_amx(native_ext):
@@ -76,7 +67,7 @@ def _skip_unless_amx(native_ext):
 
 def test_amx_prefill_matches_the_exact_product(native_ext):
     _skip_unless_amx(native_ext)
-    proc = subprocess.run([sys.executable, "-c", _CASES], env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_under_isa(_CASES, AMX_SET, prefill=None)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     name, cases, worst = proc.stdout.split()
     assert name == AMX_SET and int(cases) > 60
@@ -107,8 +98,7 @@ def test_amx_prefill_is_more_precise_than_the_int16_gemm(native_ext):
     _skip_unless_amx(native_ext)
     errs = {}
     for prefill in (None, "int16"):
-        proc = subprocess.run([sys.executable, "-c", _PRECISION], env=_env(prefill), capture_output=True, text=True,
-                              timeout=300)
+        proc = run_under_isa(_PRECISION, AMX_SET, prefill=prefill, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         name, err = proc.stdout.split()
         errs[name] = float(err)

@@ -8,13 +8,10 @@ dot; the largest error over all cases, relative to the largest sum |x| |w|, meas
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from isa_variants import isa_variants, kernel_set_name
+from isa_variants import isa_variants, kernel_set_name, run_under_isa
 
 pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
 
@@ -112,8 +109,7 @@ _PARITY = textwrap.dedent(
 def test_int8_decode_parity(native_ext):
     if "avx2i8" not in isa_variants(native_ext.isa()):
         pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run avx2i8")
-    env = {**os.environ, "MLXINFER_ISA": "avx2i8", "MLXINFER_THREADS": "2"}
-    proc = subprocess.run([sys.executable, "-c", _PARITY], env=env, capture_output=True, text=True, timeout=900)
+    proc = run_under_isa(_PARITY, "avx2i8", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     got_isa, cases, worst_int8, worst_exact = proc.stdout.split()
     assert got_isa == kernel_set_name("avx2i8") and int(cases) > 1000
@@ -142,8 +138,7 @@ def test_the_kernel_report_says_when_decode_ran_at_int8(native_ext, smollm2_dir,
     and the state is read without changing it; the default set says nothing."""
     if isa not in isa_variants(native_ext.isa()):
         pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run {isa}")
-    env = {**os.environ, "MLXINFER_ISA": isa}
-    proc = subprocess.run([sys.executable, "-c", _REPORT], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_under_isa(_REPORT, isa, threads=None, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = "True False True True" if isa == "avx2i8" else "False False False False"
     assert proc.stdout.split() == want.split(), proc.stdout

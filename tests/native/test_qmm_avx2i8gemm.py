@@ -17,13 +17,10 @@ kernels do not know."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from isa_variants import isa_variants
+from isa_variants import isa_variants, run_under_isa
 
 pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
 
@@ -98,12 +95,6 @@ _PARITY = textwrap.dedent(
 )
 
 
-def _env(prefill, isa="avx2"):
-    """MLXINFER_PREFILL=prefill (None: unset, the default) for a subprocess."""
-    env = {**os.environ, "MLXINFER_ISA": isa, "MLXINFER_THREADS": "2", "MLXINFER_PREFILL": prefill}
-    return {k: v for k, v in env.items() if v is not None}
-
-
 def _skip_unless_avx2(native_ext, isa="avx2"):
     if isa not in isa_variants(native_ext.isa()):
         pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run {isa}")
@@ -112,8 +103,7 @@ def _skip_unless_avx2(native_ext, isa="avx2"):
 @pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
 def test_int8_prefill_parity(native_ext, isa):
     _skip_unless_avx2(native_ext, isa)
-    proc = subprocess.run([sys.executable, "-c", _PARITY], env=_env("int8", isa), capture_output=True, text=True,
-                          timeout=900)
+    proc = run_under_isa(_PARITY, isa, prefill="int8", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     got, cases, exact, i8 = proc.stdout.split()
     assert got == f"{isa}+int8-prefill" and int(cases) == 3 * 3 * 4 * 5 * 3
@@ -129,8 +119,7 @@ def test_int16_prefill_parity(native_ext, isa):
     its int16-aware reference. The exact-product error is still above the float32 tiles' (~1e-6): the int16 GEMM,
     not the tiles, ran."""
     _skip_unless_avx2(native_ext, isa)
-    proc = subprocess.run([sys.executable, "-c", _PARITY], env=_env(None, isa), capture_output=True,
-                          text=True, timeout=900)
+    proc = run_under_isa(_PARITY, isa, prefill=None, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     got, cases, exact, i16 = proc.stdout.split()
     assert got == isa and int(cases) == 3 * 3 * 4 * 5 * 3
@@ -170,8 +159,7 @@ def test_vnni_and_avx2_int8_prefill_are_equal_bit_for_bit(native_ext, tmp_path):
     got = {}
     for isa in ("avx2", "avx512vnni"):
         path = tmp_path / f"{isa}.npy"
-        proc = subprocess.run([sys.executable, "-c", _OUTPUTS, str(path)], env=_env("int8", isa), capture_output=True,
-                              text=True, timeout=300)
+        proc = run_under_isa(_OUTPUTS, isa, str(path), prefill="int8", timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.strip() == f"{isa}+int8-prefill"
         got[isa] = np.load(path)
@@ -194,8 +182,7 @@ def test_float_prefill_is_unchanged(native_ext, isa, prefill):
         print((mx.abs(ext.quantized_matmul(x, q, s, b, group_size=32, bits=4) - t).max() / mx.abs(t).max()).item())
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(prefill, isa), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_under_isa(code, isa, prefill=prefill, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout) < 2e-6
 
@@ -217,8 +204,7 @@ def test_the_kernel_set_name_says_int8_prefill(native_ext, isa, prefill, name):
     report, bench provenance) carries the choice. The AMX set exists under the default prefill only: any other
     MLXINFER_PREFILL gives the VNNI set. An unknown value is ignored by the kernels and named in one line."""
     _skip_unless_avx2(native_ext, isa)
-    proc = subprocess.run([sys.executable, "-c", _NAME], env=_env(prefill, isa), capture_output=True, text=True,
-                          timeout=120)
+    proc = run_under_isa(_NAME, isa, prefill=prefill, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, problem = proc.stdout.strip().split(" ", 1)
     assert got == name

@@ -3,13 +3,10 @@ against exact products, each in its own process (the kernel set is chosen once p
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from isa_variants import isa_variants, kernel_set_name
+from isa_variants import isa_variants, kernel_set_name, run_under_isa
 
 pytestmark = pytest.mark.slow  # needs the compiled extension (built by the fixture when missing)
 
@@ -67,8 +64,7 @@ def _avx2_variants(native_ext):
 def test_decode_parity(native_ext, isa):
     if isa not in _avx2_variants(native_ext):
         pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run {isa}")
-    env = {**os.environ, "MLXINFER_ISA": isa, "MLXINFER_THREADS": "2"}
-    proc = subprocess.run([sys.executable, "-c", _PARITY], env=env, capture_output=True, text=True, timeout=600)
+    proc = run_under_isa(_PARITY, isa)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     got_isa, worst = proc.stdout.split()
     assert got_isa == kernel_set_name(isa)
@@ -81,7 +77,6 @@ def test_avx2_is_the_int16_path(native_ext):
     """On an AVX2-only CPU the default set is the int16 decode kernel (measured faster: docs/cpu-kernels.md)."""
     if native_ext.isa().split("+")[0] not in ("avx2", "avx2float"):
         pytest.skip(f"not an AVX2-only CPU ({native_ext.isa()})")
-    env = {k: v for k, v in os.environ.items() if k != "MLXINFER_ISA"}
     code = "from mlxinfer import native; print(native.extension().isa())"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.split() == [kernel_set_name("avx2", env)], proc.stderr
+    proc = run_under_isa(code, None, threads=None, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == [kernel_set_name("avx2")], proc.stderr

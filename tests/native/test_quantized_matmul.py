@@ -9,14 +9,13 @@ Gaussian cases (AVX2); 2e-2 is three times that, and a wrong weight, scale or gr
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import mlx.core as mx
 import pytest
-from isa_variants import isa_variants, kernel_set_name
+from isa_variants import isa_variants, kernel_set_name, run_under_isa
 
 from mlxinfer.native import int8_activations
 
@@ -156,9 +155,8 @@ _ISA_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_isa_script(env_extra):
-    env = {**os.environ, **env_extra}
-    proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+def _run_isa_script(isa, threads):
+    proc = run_under_isa(_ISA_SCRIPT, isa, threads=threads, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     return proc.stdout.split()
 
@@ -168,7 +166,7 @@ def test_every_isa_variant_and_thread_count(native_ext):
     isas = isa_variants(native_ext.isa())
     for i, isa in enumerate(isas):
         threads = "1" if i % 2 == 0 else "3"
-        got_isa, got_threads = _run_isa_script({"MLXINFER_ISA": isa, "MLXINFER_THREADS": threads})
+        got_isa, got_threads = _run_isa_script(isa, threads)
         assert (got_isa, got_threads) == (kernel_set_name(isa), threads)
 
 
