@@ -33,6 +33,11 @@ def _cases():
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("sdt", [mx.float32, mx.float16])
 def test_matches_mlx_gather_qmm(native_ext, bits, gs, sdt):
+    from mlxinfer.native import int8_prefill_active
+
+    # Experts given more than 8 rows run the prefill GEMM: under MLXINFER_PREFILL=int8 (opt-in, not CI's setting)
+    # its 4-bit x is rounded to int8, ~0.5% of an output (tests/native/test_quantized_matmul.py's INT8_TOL).
+    tol = 2e-2 if bits == 4 and int8_prefill_active(native_ext) else 1e-4
     mx.random.seed(bits * 1000 + gs)
     wq, s, b = mx.quantize(mx.random.normal((E, N, K)), group_size=gs, bits=bits)
     s, b = s.astype(sdt), b.astype(sdt)
@@ -42,7 +47,7 @@ def test_matches_mlx_gather_qmm(native_ext, bits, gs, sdt):
         got = native_ext.gather_qmm(x, wq, s, b, idx, group_size=gs, bits=bits)
         assert got.shape == want.shape, what
         err = (mx.abs(got - want.astype(mx.float32)).max() / mx.abs(want).max()).item()
-        assert err < 1e-4, (what, err)
+        assert err < tol, (what, err)
 
 
 def test_every_expert_is_its_own(native_ext):
