@@ -17,7 +17,9 @@ By default every request asks for the same number of tokens and all clients star
 lockstep: every request arrives in a burst with the others' (the worst case for time to first token). ``--vary``
 gives a desynchronised closed loop instead, closer to real traffic: each request's ``max_tokens`` is drawn from
 [0.5, 1.5] x ``--max-tokens`` (seeded by the request's number) and the clients' first requests are spread
-uniformly over the duration of the warm-up request.
+uniformly over the duration of the warm-up request. mlxinfer's server runs without its prefix cache unless
+``--prefix-cache-mb`` gives it one (every prompt starts with the chat template's system prompt: with the cache,
+that start is prefilled once, by a burst's first forward or by the first request).
 
 Run it on a quiet machine: it measures the machine as much as the server. Each row also gives the load average
 at its end and, for servers the script started, the server process's CPU time per generated token (user + system,
@@ -127,12 +129,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(engine: str, model: str, parallel: int, log_dir: Path) -> tuple[subprocess.Popen, str, str]:
+def start(engine: str, model: str, parallel: int, log_dir: Path, prefix_cache_mb: int = 0
+          ) -> tuple[subprocess.Popen, str, str]:
     """Start a server for ``engine`` on a free port; returns (process, base url, model name to send)."""
     port = free_port()
     if engine == "mlxinfer":
         cmd = [sys.executable, "-m", "mlxinfer", "serve", model, "--port", str(port), "--parallel", str(parallel),
-               "--queue-size", "256", "--prefix-cache-mb", "0"]
+               "--queue-size", "256", "--prefix-cache-mb", str(prefix_cache_mb)]
         name = model
     else:
         from mlxinfer.engine.loader import model_dir
@@ -184,6 +187,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per client and level")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-words", type=int, default=40)
+    ap.add_argument("--prefix-cache-mb", type=int, default=0,
+                    help="mlxinfer's prefix cache (default 0: off, so that no request is helped by another's; the "
+                         "server's own default is 512: requests then share the chat template's start)")
     ap.add_argument("--vary", action="store_true",
                     help="vary max_tokens per request (0.5-1.5x) and spread the clients' starts (see above)")
     ap.add_argument("--timeout", type=float, default=600)
@@ -200,7 +206,7 @@ def main() -> int:
     for label, engine in targets:
         proc = None
         if engine:
-            proc, url, name = start(engine, args.model, max(levels), log_dir)
+            proc, url, name = start(engine, args.model, max(levels), log_dir, args.prefix_cache_mb)
         else:
             url, name = args.url.rstrip("/"), args.model
         try:

@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict
 
 MIN_REUSE = 4  # shorter matches (e.g. just the BOS and a role marker) are not worth a copy
+SHARED_MIN = 16  # a start shared by prompts arriving together is prefilled once from this many tokens on
 
 
 def _common_prefix(a: tuple, b: list) -> int:
@@ -20,6 +21,23 @@ def _common_prefix(a: tuple, b: list) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def shared_start(prompts: list[list[int]], min_len: int = SHARED_MIN) -> list[int]:
+    """The longest start that two or more of ``prompts`` share, at least ``min_len`` tokens and each of them
+    keeping a token of its own, else []: requests arriving together under one chat template and system prompt
+    (~30 tokens for SmolLM2's), or about one document. Prompts are grouped by their first ``min_len`` tokens and
+    the largest group wins."""
+    groups: dict[tuple, list[list[int]]] = {}
+    for p in prompts:
+        if len(p) > min_len:
+            groups.setdefault(tuple(p[:min_len]), []).append(p)
+    best = max(groups.values(), key=len, default=[])
+    if len(best) < 2:
+        return []
+    first = tuple(best[0])
+    n = min(min(len(p) for p in best) - 1, *(_common_prefix(first, p) for p in best[1:]))
+    return list(first[:n]) if n >= min_len else []
 
 
 class PrefixCache:
@@ -69,11 +87,18 @@ class PrefixCache:
 
     def lookup(self, tokens: list[int]) -> tuple[int, list | None]:
         """(n, cache): a fresh per-layer KVCache list holding the first n tokens of ``tokens`` (n < len(tokens), so
-        at least one token is left to feed the model), or (0, None)."""
+        at least one token is left to feed the model), or (0, None). Counted as a lookup (and a hit)."""
+        return self._find(tokens, count=True)
+
+    def peek(self, tokens: list[int]) -> tuple[int, list | None]:
+        """``lookup`` without counting it: for the engine's own use (a shared start it prefills)."""
+        return self._find(tokens, count=False)
+
+    def _find(self, tokens: list[int], count: bool) -> tuple[int, list | None]:
         from mlx_lm.models.cache import KVCache
 
         with self._lock:
-            self.lookups += 1
+            self.lookups += count
             best, best_n = None, 0
             for key in self._entries:
                 n = _common_prefix(key, tokens)
@@ -84,8 +109,9 @@ class PrefixCache:
                 return 0, None
             self._entries.move_to_end(best)
             layers = self._entries[best][0]
-            self.hits += 1
-            self.reused_tokens += best_n
+            if count:
+                self.hits += 1
+                self.reused_tokens += best_n
         caches = []
         for k, v in layers:
             c = KVCache()

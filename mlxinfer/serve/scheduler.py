@@ -1,7 +1,8 @@
 """Continuous batching: one engine thread owns the model; requests join and leave the running batch at token
 boundaries.
 
-* A new request takes the longest stored prefix from the prefix cache. Prompts that wait together are prefilled
+* A new request takes the longest stored prefix from the prefix cache; prompts admitted together that start alike
+  (one system prompt) first get that start prefilled once and stored there. Prompts that wait together are prefilled
   together, each from what its cache holds (a prefix-cache hit, e.g. a shared system prompt, or nothing): merged
   into one ``BatchKVCache`` and run as one forward per chunk (``sequence.PrefillGroup``: a burst of 8 arrivals
   pays one prefill, not 8 interleaved with decode steps; the batched forward also costs less CPU than the 8
@@ -44,7 +45,7 @@ from ..engine.backend import release_thread_state
 from ..engine.sampling import repair_random_state
 from .prefix_cache import PrefixCache
 from .schemas import ApiError
-from .sequence import PrefillGroup, SeqState, Ticket, logprob_entries
+from .sequence import PrefillGroup, SeqState, Ticket, logprob_entries, prefill_shared_start
 
 IDLE_PREFILL = 2048  # prompt tokens per forward while no stream decodes (mlx-lm's default prefill step)
 
@@ -129,6 +130,10 @@ class Engine:
                 self.metrics.queue_depth.set(len(self._waiting))
             for t in expired:
                 t.push(("error", ApiError(503, "the request timed out in the queue", code="timeout")))
+            try:
+                self._prefill_shared_start(new)
+            except Exception:  # noqa: BLE001 - an optimisation only: each request then prefills all its prompt
+                pass
             for t in new:
                 try:
                     self._admit(t)
@@ -152,6 +157,13 @@ class Engine:
                 if not t.cancelled:
                     out.append(t)
         return out
+
+    def _prefill_shared_start(self, tickets: list[Ticket]) -> None:
+        """A start shared by prompts admitted together, prefilled once into the prefix cache (``sequence.
+        prefill_shared_start``), where their admissions then find it."""
+        if self.prefix.max_bytes > 0 and len(tickets) >= 2:
+            done = prefill_shared_start(self.model, self.prefix, [t.job.prompt for t in tickets if not t.cancelled])
+            self.metrics.prefill_tokens.inc(done)
 
     def _admit(self, ticket: Ticket) -> None:
         from ..kernels.kv_cache import whole_caches

@@ -149,6 +149,38 @@ def test_a_burst_of_prefix_cache_hits_prefills_only_its_new_tokens_together(load
     assert out == [_alone(loaded, t, 8) for t in texts]
 
 
+def test_a_cold_burst_sharing_a_start_prefills_it_once(loaded):
+    """Fresh prompts arriving together with one long start (a system prompt) and nothing stored: the start is
+    prefilled once (one forward of its tokens alone), then the rest of every prompt in one batched forward from
+    it; the metrics count each prompt token once, and each reply is the one it gets alone."""
+    shared = ("You are a concise assistant. Answer every question in one short line, without any preamble or "
+              "apology. Question:")
+    texts = [f"{shared} {p}" for p in PROMPTS]
+    out, log, engine = _run(loaded, texts, 8, parallel=8, prefix_cache_bytes=64 << 20)
+    calls = [shape for kind, shape in log if kind == "call"]
+    prompts = [encode_prompt(loaded, t) for t in texts]
+    start = next(i for i, col in enumerate(zip(*prompts)) if len(set(col)) > 1)  # where the prompts part
+    assert start >= 16
+    assert calls[0] == (1, start)  # the shared start alone, once
+    assert calls[1] == (len(texts), max(len(p) - 1 - start for p in prompts))  # then only what follows it
+    assert all(shape == (len(texts), 1) for shape in calls[2:])
+    assert engine.prefix.hits == len(texts) and engine.prefix.reused_tokens == start * len(texts)
+    metrics = engine.metrics
+    assert metrics.prefill_tokens._value.get() == start + sum(len(p) - start for p in prompts)
+    assert out == [_alone(loaded, t, 8) for t in texts]
+
+
+def test_shared_start_takes_the_largest_group_and_leaves_each_prompt_a_token():
+    from mlxinfer.serve.prefix_cache import shared_start
+
+    a = list(range(40))
+    assert shared_start([a + [1, 2], a + [3], a[:30] + [9]], min_len=16) == a[:30]
+    assert shared_start([a, a], min_len=16) == a[:39]  # each keeps its last token to feed the model
+    assert shared_start([a + [1], [7] * 20 + [1], [7] * 20 + [2], [7] * 20 + [3]], min_len=16) == [7] * 20
+    assert shared_start([a[:10] + [1], a[:10] + [2]], min_len=16) == []  # too short to be worth a forward
+    assert shared_start([a + [1]], min_len=16) == []
+
+
 def test_a_burst_mixing_hits_fresh_prompts_and_a_whole_hit_decodes_as_each_alone(loaded):
     """One burst: prompts continuing a stored prefix, a prompt sharing nothing with it, and the stored prompt
     itself (nothing left to prefill: it goes straight to decoding) — each reply is the one it gets alone."""
