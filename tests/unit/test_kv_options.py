@@ -231,7 +231,10 @@ def test_8bit_greedy_keeps_the_answer(smollm2_auto):
     from mlxinfer.engine.generate import chat_prompt, stream_generate
     from mlxinfer.engine.sampling import SamplingParams
 
-    tokens = chat_prompt(smollm2, [{"role": "user", "content": "What is the capital of France?"}])
+    # Not "...of France?": its first two tokens are 0.08 apart at float32 and 0.003 apart on MLX's own 8-bit KV
+    # path, so any float32-grade change to the prefill decides them (Dec 6: the AMX prefill picks "L'" there, the
+    # int16 GEMM "The"). Germany's answer leads by 0.55-0.66 on every path, more than 8-bit KV moves it (~0.2).
+    tokens = chat_prompt(smollm2, [{"role": "user", "content": "What is the capital of Germany?"}])
     params = SamplingParams(temperature=0.0, max_tokens=8)
     full = [r for r in stream_generate(smollm2, tokens, params)][-1].stats.tokens
     q8 = [r for r in stream_generate(smollm2, tokens, params, kv=KVOptions(bits=8))][-1].stats.tokens
@@ -243,11 +246,11 @@ def test_cli_generate_with_kv_bits_json_and_refusals():
     env = {**os.environ, "MLXINFER_KERNELS": "auto"}
     run = lambda *a: subprocess.run([*MLXINFER, *a], capture_output=True, text=True, timeout=300, env=env,  # noqa: E731
                                     stdin=subprocess.DEVNULL)
-    p = run("generate", "smollm2", "-p", "What is the capital of France?", "--temp", "0", "-n", "12",
-            "--kv-bits", "8", "--json")
+    p = run("generate", "smollm2", "-p", "What is the capital of Germany?", "--temp", "0", "-n", "12",
+            "--kv-bits", "8", "--json")  # not France: see test_8bit_greedy_keeps_the_answer
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    assert "Paris" in out["text"] and out["kv_cache"]["kv_bits"] == 8
+    assert "Berlin" in out["text"] and out["kv_cache"]["kv_bits"] == 8
     if out["kernels"] != "builtin":
         assert "step aside" in out["kv_cache"]["kernel_note"]
     from in_process import run_in_process  # refused before loading: no subprocess needed
