@@ -30,6 +30,33 @@ def activation_dtype(model_dtype):
     return mx.float32 if backend() == "cpu" else model_dtype
 
 
+CPU_CACHE_CAP = 2 << 30  # most freed memory kept for reuse on the CPU backend (and at most RAM / 8)
+
+
+def keep_freed_buffers() -> int | None:
+    """On the CPU backend, let MLX keep up to min(RAM / 8, 2 GiB) of freed buffers for reuse (its limit there is
+    32 MB): larger intermediates, e.g. a batched prefill's MLP activations, went back to the OS when freed and were
+    page-faulted in again by the next op. Dec 6, SmolLM2, 8 x 766 prompt tokens in one batched forward: 28% of
+    the time in page faults, 668 -> 954 tok/s with the cache (8 single prefills: ~1000 either way). Only raises the
+    limit (a larger one already set stays). Cached buffers count in the process' memory but not in MLX's
+    active or peak memory; ``mx.clear_cache()`` frees them. Returns the limit in force (None off the CPU)."""
+    import os
+
+    import mlx.core as mx
+
+    if backend() != "cpu":
+        return None
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 8 << 30
+    want = min(ram // 8, CPU_CACHE_CAP)
+    before = mx.set_cache_limit(want)
+    if before > want:
+        mx.set_cache_limit(before)
+    return max(int(before), want)
+
+
 def hardware_label() -> str:
     """A short description of the machine, e.g. 'Apple M3 Max' or 'x86_64 Intel(R) Xeon(R) ...'."""
     import mlx.core as mx

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from ..errors import InvalidModel, MlxinferError
 from ..registry import ModelSpec, Registry
-from .backend import activation_dtype, backend
+from .backend import activation_dtype, backend, keep_freed_buffers
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): stages "download", "import", "load"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -227,6 +227,7 @@ def load(
     from ..kernels.patch import apply_kernels
 
     report = apply_kernels(net, kernels)
+    keep_freed_buffers()
     loaded = LoadedModel(
         model=net, tokenizer=tokenizer, config=config, path=path, spec=spec, backend=backend(), dtype=dtype,
         kernels=report.name, kernels_detail=report.detail + (f"; {shard_line}" if shard_line else ""),
