@@ -406,9 +406,9 @@ static_assert(2 * kKc * 16 * ((kPackN + 15) / 16) + 2 * (kKc / 32) * 16 * ((kPac
               "the integer prefill's unpacked weights (int16: twice the bytes) fit the float kernels' scratch");
 
 KernelSet with_integer_prefill(KernelSet ks) {
-  // Any value but "int8" or "float" keeps the default; mlxinfer.native reports an unknown one.
-  const char* env = std::getenv("MLXINFER_PREFILL");
-  if (env && std::strcmp(env, "float") == 0) return ks;
+  // Under int8 the name says so below; int16, unset and any unknown value (mlxinfer.native reports it) keep the
+  // int16 GEMM as the precise path.
+  if (prefill_mode() == PrefillMode::float32) return ks;
   const bool vnni = std::strcmp(ks.isa, "avx512vnni") == 0;
   ks.qmm_i8 = vnni ? isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i8> : isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::avx2_i8>;
   ks.prep_x8_gemm = isa_avx2i8gemm::prep_x<int8_t>;

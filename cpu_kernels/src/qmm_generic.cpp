@@ -93,10 +93,7 @@ const KernelSet& select_kernels() {
     if (want == "avx2i8" && has2) return with_integer_prefill(avx2i8_kernels());
     // AMX-BF16 prefill on the VNNI set where the CPU and OS allow it, under the default (precise) prefill only:
     // MLXINFER_PREFILL=int8|int16|float asks for another GEMM.
-    const char* prefill = std::getenv("MLXINFER_PREFILL");
-    const bool default_prefill = !prefill || (std::strcmp(prefill, "int8") && std::strcmp(prefill, "int16") &&
-                                              std::strcmp(prefill, "float"));
-    if ((want.empty() || want == "avx512amx") && vnni && default_prefill && amx_bf16_usable()) {
+    if ((want.empty() || want == "avx512amx") && vnni && prefill_mode() == PrefillMode::dflt && amx_bf16_usable()) {
       KernelSet ks = with_amx_prefill(with_integer_prefill(avx512vnni_kernels()));
       ks.isa = "avx512amx";
       return ks;

@@ -120,7 +120,11 @@ KernelSet avx512vnni_kernels();
 // set_int8_prefill(true); the name then ends in "+int8-prefill"), int16 on the same sets (the default there).
 // MLXINFER_PREFILL=float: neither (float32 tiles).
 KernelSet with_integer_prefill(KernelSet ks);
-// The process' prefill setting from MLXINFER_PREFILL: true for "int8" (quantized.cpp's switch starts there).
+// The process' prefill setting, read once from MLXINFER_PREFILL (quantized.cpp): int8, int16, float, or the
+// default (unset or any other value; mlxinfer.native names an unknown one).
+enum class PrefillMode { dflt, int8, int16, float32 };
+PrefillMode prefill_mode();
+// prefill_mode() == int8 (quantized.cpp's int8 switch starts there).
 bool int8_prefill_requested();
 // The integer prefill's micro-kernels on AVX-512 VNNI (qmm_vnni.cpp): tile[kI8RowBlock][16] = 4 x rows times one
 // 16-column panel over one k-block, the layouts and arithmetic of qmm_avx2i8gemm.cpp's micro (which documents them).

@@ -255,10 +255,16 @@ std::vector<RowTask> split_rows(const std::vector<QmmArgs>& args, int rows) {
 }  // namespace
 
 bool set_int8_decode(bool on) { return int8_decode.exchange(on, std::memory_order_relaxed); }
-bool int8_prefill_requested() {
+PrefillMode prefill_mode() {
   const char* env = std::getenv("MLXINFER_PREFILL");
-  return env && std::strcmp(env, "int8") == 0;
+  if (!env) return PrefillMode::dflt;
+  if (std::strcmp(env, "int8") == 0) return PrefillMode::int8;
+  if (std::strcmp(env, "int16") == 0) return PrefillMode::int16;
+  if (std::strcmp(env, "float") == 0) return PrefillMode::float32;
+  return PrefillMode::dflt;
 }
+
+bool int8_prefill_requested() { return prefill_mode() == PrefillMode::int8; }
 
 bool set_int8_prefill(bool on) { return int8_prefill.exchange(on, std::memory_order_relaxed); }
 
