@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ..engine.steps import prefill
+
 PREFILL_STEP = 512
 
 
@@ -51,15 +53,6 @@ class Sample:
         return steps * self.tokens_per_step / span if steps > 0 and span > 0 else 0.0
 
 
-def prefill(model, cache: list, tokens: Sequence[int], step: int = PREFILL_STEP) -> None:
-    """Run ``tokens`` through the model into ``cache`` (untimed context for depth tests), in chunks."""
-    import mlx.core as mx
-
-    for i in range(0, len(tokens), step):
-        model(mx.array(tokens[i:i + step])[None], cache=cache)  # (1, chunk) -> logits discarded
-        mx.eval([c.state for c in cache])
-
-
 def new_cache(model, context: Sequence[int] = (), kv=None) -> list:
     """The model's prompt cache (quantized or capped per ``kv``, an ``engine.kv_options.KVOptions``), prefilled
     with ``context``."""
@@ -67,7 +60,7 @@ def new_cache(model, context: Sequence[int] = (), kv=None) -> list:
 
     cache = make_cache(model, kv)
     if context:
-        prefill(model, cache, context)
+        prefill(model, cache, context, PREFILL_STEP)
     return cache
 
 
@@ -176,7 +169,7 @@ def batch_cache(model, context: Sequence[int] = ()) -> list:
 
     cache = whole_caches(model)
     if context:
-        prefill(model, cache, context)
+        prefill(model, cache, context, PREFILL_STEP)
     return cache
 
 

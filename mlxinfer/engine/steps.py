@@ -17,6 +17,16 @@ from __future__ import annotations
 from typing import Callable, Iterator, Optional, Sequence
 
 
+def prefill(model, cache: list, tokens: Sequence[int], step: int = 512) -> None:
+    """Run ``tokens`` through the model into ``cache`` in chunks of ``step``, evaluating only the cache (the
+    logits are never computed, see the module doc)."""
+    import mlx.core as mx
+
+    for i in range(0, len(tokens), step):
+        model(mx.array(tokens[i:i + step])[None], cache=cache)  # (1, chunk) -> logits discarded
+        mx.eval([c.state for c in cache])
+
+
 def token_steps(
     model,
     prompt: Sequence[int],

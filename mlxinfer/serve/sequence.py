@@ -170,9 +170,9 @@ def prefill_shared_start(model, prefix, prompts: list[list[int]], step: int = 20
     burst of 8 then pays for the start once instead of 8 times. Returns the tokens run through ``model`` (0 when
     nothing is shared, all of it is stored already, or the model's caches are ones the prefix cache does not
     keep: rotating or quantized)."""
-    import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
+    from ..engine.steps import prefill
     from ..kernels.kv_cache import whole_caches
     from .prefix_cache import shared_start
 
@@ -185,9 +185,7 @@ def prefill_shared_start(model, prefix, prompts: list[list[int]], step: int = 20
     cache = cache or whole_caches(model)
     if any(not isinstance(c, KVCache) for c in cache):
         return 0
-    for i in range(n, len(start), step):
-        model(mx.array([start[i:i + step]]), cache=cache)
-        mx.eval([c.state for c in cache])
+    prefill(model, cache, start[n:], step)
     prefix.store(start, cache)
     return len(start) - n
 
