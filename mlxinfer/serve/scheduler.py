@@ -2,23 +2,16 @@
 boundaries.
 
 * A new request takes the longest stored prefix from the prefix cache; prompts admitted together that start alike
-  (one system prompt) first get that start prefilled once and stored there. Prompts that wait together are prefilled
-  together, each from what its cache holds (a prefix-cache hit, e.g. a shared system prompt, or nothing): merged
-  into one ``BatchKVCache`` and run as one forward per chunk (``sequence.PrefillGroup``: a burst of 8 arrivals
-  pays one prefill, not 8 interleaved with decode steps; the batched forward also costs less CPU than the 8
-  single ones). A lone prompt prefills alone on a plain ``KVCache`` (the fast single-sequence path).
-* Prefill runs in rounds between two decode steps while streams are decoding (they keep flowing): at most
-  ``prefill_chunk`` prompt tokens per round times the number of waiting prompts per decoding stream (7 prompts
-  arriving while 1 stream decodes stall it once for all 7, not 7 times for the same work), capped at
-  ``IDLE_PREFILL``; and ``IDLE_PREFILL`` tokens per forward when no stream decodes (nothing to wait for).
+  (one system prompt) first get that start prefilled once and stored there. Prompts are then prefilled in rounds
+  between two decode steps (``serve.prefill``: prompts waiting together as one batched forward per chunk, a
+  round's budget scaled by the prompts waiting per decoding stream), so that decoding streams keep flowing.
 * Prefilled sequences join the decode batch. Below ``batch_from`` sequences each decodes on its own plain
   ``KVCache`` (the native one-op-per-layer path; their steps are evaluated together); from ``batch_from`` on they
   share a left-padded ``BatchKVCache`` (mlx-lm's ``merge``/``extend``/``filter``/``extract``: one forward pass
   for all, the weights read once), and when the batch shrinks below it again the caches are extracted. Why the
-  threshold: one sequence runs fastest as the one-op layers (one int offset); the batched forward runs per op
-  (RoPE, KV update and attention native with per-row positions, ``kernels.kv_cache.NativeBatchKVCache``) and
-  from 2 sequences on costs less than their single steps (SmolLM2, CPU time per step: 1 seq 20 ms, batched 2 /
-  4 / 8 28 / 40 / 73-87 ms; before the native batched path 2 seqs were slower batched).
+  threshold: one sequence runs fastest on its own cache (one int offset); the batched forward runs the same
+  one-op layers with each row's first key and position (``kernels.kv_cache.NativeBatchKVCache``) and from 2
+  sequences on costs less than their single steps.
 * Decode is pipelined: step N+1's graph is built on step N's sampled tokens (still lazy) while step N evaluates,
   then step N's tokens are read back, detokenised and pushed, then step N+1 goes to ``mx.async_eval``. (mlx-lm's
   ``generate_step`` starts N+1 before reading N back; on the CPU ``async_eval`` returns only when at most ~10 ops
@@ -43,11 +36,10 @@ from typing import Any
 
 from ..engine.backend import release_thread_state
 from ..engine.sampling import repair_random_state
+from .prefill import Prefiller, prefill_shared_start
 from .prefix_cache import PrefixCache
 from .schemas import ApiError
-from .sequence import PrefillGroup, SeqState, Ticket, logprob_entries, prefill_shared_start
-
-IDLE_PREFILL = 2048  # prompt tokens per forward while no stream decodes (mlx-lm's default prefill step)
+from .sequence import SeqState, Ticket, logprob_entries
 
 
 class _Step:
@@ -68,12 +60,11 @@ class Engine:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
-        self._prefilling: deque[SeqState] = deque()   # every sequence not yet decoding (the group's rows too)
-        self._group: PrefillGroup | None = None       # fresh prompts prefilled together
+        self.prefill = Prefiller(self.model, prefill_chunk)
+        self._prefilling = self.prefill.seqs   # every sequence not yet decoding (a prefill group's rows too)
         self._batch: list[SeqState] = []
         self._bcache: list | None = None   # BatchKVCache per layer when batched, else None (each seq has its own)
         self._step: _Step | None = None    # the decode step dispatched and not read back yet
-        self._groupable: bool | None = None
         self._stopping = False
         self._peak = 0
         self.draining = False
@@ -202,60 +193,9 @@ class Engine:
 
     # ---- prefill --------------------------------------------------------------------------------------------
     def _prefill_step(self) -> None:
-        """One round of prompt tokens between two decode steps: the batched group first, then single prompts."""
-        import mlx.core as mx
-
-        share = max(1, len(self._prefilling) // len(self._batch)) if self._batch else IDLE_PREFILL
-        budget = max(self.prefill_chunk, min(self.prefill_chunk * share, IDLE_PREFILL))
-        if self._group is None:
-            self._form_group()
-        if self._group is not None:
-            budget -= self._group_step(budget)
-        grouped = self._group.rows if self._group is not None else ()
-        for seq in list(self._prefilling):
-            if budget <= 0:
-                break
-            if seq in grouped:
-                continue
-            chunk, seq.todo = seq.todo[:budget], seq.todo[budget:]
-            if chunk:
-                seq.started = True
-                self.model(mx.array([chunk]), cache=seq.cache)
-                mx.eval([c.state for c in seq.cache])
-                budget -= len(chunk)
-            if not seq.todo:
-                self._prefilling.remove(seq)
-                self._join([seq])
-
-    def _form_group(self) -> None:
-        """Prompts waiting together (two or more, not prefilling alone already) become one batched prefill."""
-        waiting = [s for s in self._prefilling if not s.started and s.todo]
-        if len(waiting) >= 2 and self._can_group(waiting[0].cache):
-            self._group = PrefillGroup(waiting)
-
-    def _can_group(self, cache: list) -> bool:
-        """Only plain KV caches batch (not rotating or quantized ones): checked once (a prefix-cache hit's caches
-        are plain ones too: only those are stored)."""
-        from mlx_lm.models.cache import KVCache
-
-        if self._groupable is None:
-            from ..kernels.kv_cache import InPlaceKVCache
-
-            self._groupable = all(type(c) in (KVCache, InPlaceKVCache) for c in cache)
-        return self._groupable
-
-    def _group_step(self, budget: int) -> int:
-        """The group's next forward; when it is done its rows still here (not reaped) join the batch."""
-        group = self._group
-        used = group.step(self.model, budget)
-        if group.done:
-            self._group = None
-            keep = [i for i, s in enumerate(group.rows) if s in self._prefilling]
-            for i in keep:
-                self._prefilling.remove(group.rows[i])
-            if keep:
-                self._join([group.rows[i] for i in keep], group.rows_cache(keep))
-        return used
+        """One round of prompt tokens between two decode steps (``Prefiller.round``); finished prompts join."""
+        for seqs, gcache in self.prefill.round(len(self._batch)):
+            self._join(seqs, gcache)
 
     # ---- the decode batch -------------------------------------------------------------------------------------
     def _join(self, seqs: list[SeqState], gcache: list | None = None) -> None:
@@ -425,8 +365,7 @@ class Engine:
             s.ticket.push(("error", err))
         for t in waiting:
             t.push(("error", err))
-        self._prefilling.clear()
-        self._group = None
+        self.prefill.clear()
         self._batch, self._bcache, self._step = [], None, None
         if error is not None:
             repair_random_state()
@@ -436,7 +375,7 @@ class Engine:
         m = self.metrics
         m.running.set(len(self._prefilling) + len(self._batch))
         own = [c for s in [*self._prefilling, *self._batch] if s.cache is not None for c in s.cache]
-        kv = sum(c.nbytes for c in [*(self._bcache or []), *(self._group.cache if self._group else []), *own]
+        kv = sum(c.nbytes for c in [*(self._bcache or []), *(self.prefill.group.cache if self.prefill.group else []), *own]
                  if getattr(c, "keys", None) is not None)
         m.kv_bytes.set(kv)
         m.prefix_bytes.set(self.prefix.nbytes)
