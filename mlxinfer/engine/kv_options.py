@@ -111,17 +111,14 @@ def _plain(c: Any) -> bool:
 
 
 def make_cache(model: Any, opts: KVOptions | None = None) -> list:
-    """The model's prompt cache (mlx-lm's ``make_prompt_cache``; for a multimodal wrapper without a
-    ``make_cache``, its text model's, see ``kernels.kv_cache.own_make_cache``) with ``opts`` applied: each plain ``KVCache``
+    """The model's prompt cache (``kernels.kv_cache.prompt_caches``) with ``opts`` applied: each plain ``KVCache``
     layer a ``QuantizedKVCache`` (``bits``, from the start) or a ``RotatingKVCache`` (``max_size``). Raises
     InvalidParameter when the model has no layer the option can apply to."""
-    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-    from ..kernels.kv_cache import own_make_cache
+    from ..kernels.kv_cache import prompt_caches
 
-    # A wrapper without make_cache (mistral3) gets its text model's: window-sized caches for sliding layers.
-    own = None if hasattr(model, "make_cache") else own_make_cache(model)
-    cache = own(model) if own is not None else make_prompt_cache(model)
+    cache = prompt_caches(model)
     if opts is None or not opts.active:
         return cache
     if opts.max_size is not None:

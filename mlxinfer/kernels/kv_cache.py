@@ -338,6 +338,16 @@ def own_make_cache(model: Any) -> Optional[Callable[[Any], list]]:
     return lambda m: text_own(m.language_model)
 
 
+def prompt_caches(model: Any) -> list:
+    """A fresh prompt cache: mlx-lm's ``make_prompt_cache`` (the model's ``make_cache`` when it has one, the one
+    ``cache_maker`` set included), or for a wrapper without one its text model's (:func:`own_make_cache`:
+    window-sized caches for sliding layers)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    own = None if hasattr(model, "make_cache") else own_make_cache(model)
+    return own(model) if own is not None else make_prompt_cache(model)
+
+
 def cache_maker(model: Any, windowed: frozenset = frozenset()) -> Callable[[], list]:
     """A ``make_cache`` for ``model``: what its own factory makes (:func:`own_make_cache`; without one, what
     mlx-lm's ``make_prompt_cache`` makes: a ``KVCache`` per layer), each plain ``KVCache`` an InPlaceKVCache; so are the
