@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -366,11 +367,45 @@ np.savez(cfg["out"], prefill=prefill, decode=np.stack(decode))
 """
 
 
-def llama_failure(proc, gguf: Path) -> str:
-    """One line on why the llama.cpp subprocess failed."""
+# llama.cpp's system-info names (``llama_print_system_info``) -> the /proc/cpuinfo flag each needs.
+_LLAMA_ISA_FLAGS = {"AVX": "avx", "AVX2": "avx2", "F16C": "f16c", "FMA": "fma", "BMI2": "bmi2", "AVX_VNNI": "avx_vnni",
+                    "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni",
+                    "AVX512_BF16": "avx512_bf16", "AMX_INT8": "amx_int8", "AMX_BF16": "amx_bf16"}
+
+
+def missing_isa(system_info: str, cpu_flags: set[str]) -> list[str]:
+    """The instruction sets a llama.cpp build says it uses ("AVX_VNNI = 1 | ...") that ``cpu_flags`` lacks."""
+    used = [part.split("=")[0].strip() for part in system_info.replace("CPU :", "|").split("|")
+            if part.strip().endswith("= 1")]
+    return [name for name in used if name in _LLAMA_ISA_FLAGS and _LLAMA_ISA_FLAGS[name] not in cpu_flags]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def llama_failure(proc, gguf: Path, llama_python: str | None = None) -> str:
+    """One line on why the llama.cpp subprocess failed (for SIGILL: the build's instruction sets this CPU lacks,
+    when ``llama_python`` can say which ones it uses)."""
     if proc.returncode == -4:  # SIGILL
-        return (f"llama.cpp died with SIGILL on {gguf.name}: its build uses instructions this CPU lacks (AVX-512 on "
-                "an AVX2-only CPU?); rebuild llama-cpp-python with GGML_NATIVE=ON or without those CMAKE_ARGS")
+        lacking: list[str] = []
+        if llama_python:
+            info = subprocess.run([llama_python, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info()"
+                                   ".decode())"], capture_output=True, text=True)
+            if info.returncode == 0:
+                lacking = missing_isa(info.stdout, _cpu_flags())
+        what = (f"it was built with {', '.join(lacking)}, which this CPU lacks; rebuild llama-cpp-python with "
+                + " ".join(f"-DGGML_{n}=OFF" for n in lacking) if lacking else
+                "its build uses instructions this CPU lacks; rebuild llama-cpp-python without them (or with "
+                "GGML_NATIVE=ON)")
+        return (f"llama.cpp died with SIGILL on {gguf.name}: {what} (pip install --no-cache-dir --force-reinstall "
+                "--no-deps --no-binary llama-cpp-python llama-cpp-python: pip's cache would hand back the same build)")
     return f"llama.cpp failed on {gguf.name}: {(proc.stderr.strip().splitlines() or [f'exit {proc.returncode}'])[-1]}"
 
 
@@ -378,7 +413,6 @@ def check_logits(gguf: Path, a: Arch, *, llama_python: str | None, threads: int,
                  n_follow: int) -> dict:
     """mlxinfer's logits (built-in and native kernels) against llama.cpp's on the same file: the prompt in one
     pass, then single-token decode steps. Without llama.cpp, native against built-in."""
-    import subprocess
     import tempfile
 
     import mlx.core as mx
@@ -402,7 +436,7 @@ def check_logits(gguf: Path, a: Arch, *, llama_python: str | None, threads: int,
                    "prompt": prompt, "follow": follow, "out": f"{tmp}/logits.npz"}
             proc = subprocess.run([llama_python, "-c", LLAMA_CHECK, json.dumps(cfg)], capture_output=True, text=True)
             if proc.returncode:
-                raise RuntimeError(llama_failure(proc, gguf))
+                raise RuntimeError(llama_failure(proc, gguf, llama_python))
             with np.load(cfg["out"]) as f:
                 ref_name, ref = "llama.cpp", (f["prefill"], f["decode"])
     else:

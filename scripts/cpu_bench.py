@@ -187,7 +187,7 @@ def llama_cpp_round(args, gguf: Path, prompt: list[int]) -> tuple[float, float]:
     if proc.returncode:
         import bench_arch
 
-        sys.exit(bench_arch.llama_failure(proc, gguf))
+        sys.exit(bench_arch.llama_failure(proc, gguf, args.llama_python))
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     return res["prefill"], res["decode"]
 

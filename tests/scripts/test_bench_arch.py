@@ -233,3 +233,24 @@ def test_mistral3_metadata_that_does_not_fit_is_refused(tmp_path, meta, match):
     with pytest.raises(InvalidModel, match=match):
         mlxinfer.load(str(path))
     assert not list((tmp_path / "cache").rglob("model.safetensors"))
+
+
+def test_a_sigill_names_the_instruction_sets_the_cpu_lacks(tmp_path):
+    """A llama.cpp built for another CPU (here: AVX-VNNI on a Zen 4, which has AVX-512 VNNI but not the VEX form)
+    gets a line naming what to turn off, not a guess."""
+    info = ("CPU : SSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 1 "
+            "| AMX_INT8 = 0 | LLAMAFILE = 1 | OPENMP = 1 |")
+    zen4 = {"avx", "avx2", "f16c", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512vbmi"}
+    assert bench_arch.missing_isa(info, zen4) == ["AVX_VNNI"]
+    assert bench_arch.missing_isa(info, zen4 | {"avx_vnni"}) == []
+    assert bench_arch.missing_isa(info, {"avx", "avx2", "f16c", "fma"}) == ["AVX_VNNI", "AVX512", "AVX512_VNNI"]
+
+    fake = tmp_path / "python"  # a "llama venv" whose llama_cpp reports that build
+    fake.write_text(f"#!/bin/sh\necho '{info}'\n")
+    fake.chmod(0o755)
+    proc = subprocess.CompletedProcess([], -4, "", "")
+    line = bench_arch.llama_failure(proc, Path("m.gguf"), str(fake))
+    assert "SIGILL on m.gguf" in line and "\n" not in line
+    if "avx_vnni" not in bench_arch._cpu_flags():
+        assert "-DGGML_AVX_VNNI=OFF" in line and "--no-cache-dir" in line
+    assert "rebuild" in bench_arch.llama_failure(proc, Path("m.gguf"), None)
