@@ -173,9 +173,81 @@ def batch_cache(model, context: Sequence[int] = ()) -> list:
     return cache
 
 
+Batch = Callable[[list, int, "list | None"], Sample]  # (prompts, gen, contexts or None) -> one timed batch
+
+
+def mlxinfer_batch(loaded) -> Batch:
+    """Batches as ``mlxinfer serve`` decodes them: :func:`run_served_batch` on ``loaded``."""
+    return lambda prompts, gen, contexts=None: run_served_batch(loaded, prompts, gen, contexts)
+
+
+def mlx_lm_batch(model) -> Batch:
+    """Batches as mlx-lm decodes them: :func:`run_batch` (its ``BatchGenerator``)."""
+    return lambda prompts, gen, contexts=None: run_batch(model, prompts, gen, contexts)
+
+
+def run_served_batch(loaded, prompts: list[list[int]], gen: int, contexts: list[list[int]] | None = None) -> Sample:
+    """Time ``len(prompts)`` sequences through the server's scheduler (``serve.scheduler.Engine``), in process and
+    without HTTP, with ``mlxinfer serve``'s default prefix cache: all admitted in one round, prefilled together,
+    decoded as one batch (its pipelining, caches and kernels), greedy, ``gen`` tokens each (EOS ignored).
+    ``contexts``: each sequence's tokens already in the KV cache, put into the engine's prefix cache first (where a
+    request resending them finds them). A timestamp per decode step read back (one token per sequence)."""
+    import threading
+
+    import mlx.core as mx
+
+    from ..engine.sampling import SamplingParams
+    from ..serve.metrics import Metrics
+    from ..serve.prefix_cache import DEFAULT_MB, MIN_REUSE
+    from ..serve.scheduler import Engine
+    from ..serve.schemas import Job
+    from ..serve.sequence import Ticket
+
+    class _Quiet(Ticket):  # no client: only the end of each request matters
+        def push(self, event: tuple) -> None:
+            if event[0] == "error":
+                errors.append(event[1])
+            if event[0] in ("done", "error"):
+                ended.release()
+
+    b, contexts = len(prompts), contexts or [[] for _ in prompts]
+    # A context shorter than the prefix cache's minimum match is not kept there: the timed call prefills it.
+    caches = [batch_cache(loaded.model, c) if len(c) >= MIN_REUSE else None for c in contexts]
+    held = sum(c.nbytes for cache in caches if cache for c in cache)
+    times: list[float] = []
+    engine = Engine(loaded, Metrics(), parallel=b, queue_size=b, prefix_cache_bytes=max(DEFAULT_MB << 20, 2 * held),
+                    on_step=lambda rows, now: times.append(now - start))
+    for context, cache in zip(contexts, caches):
+        if cache:
+            engine.prefix.store(list(context), cache)
+    errors: list = []
+    ended = threading.Semaphore(0)
+    params = SamplingParams(temperature=0.0, max_tokens=gen)
+    tickets = [_Quiet(Job("completion", [*c, *p], params, gen, ignore_eos=True), None, None)
+               for c, p in zip(contexts, prompts)]
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for t in tickets:  # before the engine runs: one admission round, one prefill group
+        engine.submit(t)
+    engine.start()
+    try:
+        for _ in tickets:
+            ended.acquire()
+    finally:
+        engine.stop()
+    if errors:
+        raise RuntimeError(f"the serving engine failed a request: {errors[0]}")
+    fresh = sum(len(p) + (len(c) if cache is None else 0) for p, c, cache in zip(prompts, contexts, caches))
+    sample = Sample(prompt_tokens=fresh, token_times=times, tokens_per_step=b,
+                    peak_memory=int(mx.get_peak_memory()))
+    probe = caches[0] or batch_cache(loaded.model, prompts[0][:2])
+    sample.kv_per_token, sample.kv_capacity = kv_layout(probe)
+    return sample
+
+
 def run_batch(model, prompts: list[list[int]], gen: int, contexts: list[list[int]] | None = None) -> Sample:
     """Time ``len(prompts)`` sequences decoded together by mlx-lm's ``BatchGenerator`` (greedy, no stop tokens),
-    on the caches the server gives (:func:`batch_cache`)."""
+    on the caches the server gives (:func:`batch_cache`): the mlx-lm peer's batches."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler

@@ -172,29 +172,31 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
         common = dict(hardware=hw, system=system, source=source, opts=opts, ticker=ticker, emit=emit)
         kv = opts.kv(loaded.context_length)
         info, timed = provenance.loaded_model_info(loaded), measure.mlxinfer_timed(loaded, kv)
+        batch = measure.mlxinfer_batch(loaded)
         before = _native_threads(loaded)
         try:
             for count in sweep:
                 engine = {**provenance.engine_info(loaded), "kernels_requested": resolve_mode(opts.kernels),
                           "threads": _set_threads(loaded, count)}
                 engine["kernels_detail"] = _with_kv_note(engine["kernels_detail"], loaded.model, kv)
-                _run_engine(cases, model=loaded.model, config=loaded.config, timed=timed, engine=engine,
-                            model_info=info, **common)
+                _run_engine(cases, model=loaded.model, config=loaded.config, timed=timed, batch=batch,
+                            engine=engine, model_info=info, **common)
         finally:
             if before is not None:
                 _set_threads(loaded, before)
         if opts.peer == "mlx-lm":
             # Kernel swaps are per model instance (kernels.patch): the peer's fresh model is pure mlx-lm.
             spec_, path, backend, context = loaded.spec, loaded.path, loaded.backend, loaded.context_length
-            del loaded, timed  # the closure holds the model too: free it before the peer's copy loads
+            del loaded, timed, batch  # the closures hold the model too: free it before the peer's copy loads
             _free()
             model, tokenizer, config, info = _load_peer(spec_, path, context)
             _run_engine(cases, model=model, config=config, timed=measure.mlx_lm_timed(model, tokenizer),
+                        batch=measure.mlx_lm_batch(model),
                         engine={**provenance.peer_engine_info(backend), "kernels_requested": None, "threads": None},
                         model_info=info, **common)
             del model, tokenizer
         else:
-            del loaded, timed
+            del loaded, timed, batch
         _free()
     return records
 
@@ -297,7 +299,8 @@ class _Ticker:
             self.progress(what, self.done, self.total)
 
 
-def _run_engine(cases, *, model, config, timed, engine, model_info, hardware, system, source, opts, ticker, emit):
+def _run_engine(cases, *, model, config, timed, batch, engine, model_info, hardware, system, source, opts, ticker,
+                emit):
     weights = measure.weights_read_per_token(model, config)
     kv = opts.kv()
     for case in cases:
@@ -306,11 +309,11 @@ def _run_engine(cases, *, model, config, timed, engine, model_info, hardware, sy
         ticker(what, 0)
         shared: dict = {}  # the prefix cache of a prefix test, filled once and reused by its repetitions
         for _ in range(opts.warmup):
-            _measure(case, model, timed, source, shared, gen=min(case.gen, WARMUP_GEN), depth=0, kv=kv)
+            _measure(case, model, timed, batch, source, shared, gen=min(case.gen, WARMUP_GEN), depth=0, kv=kv)
             ticker(what + " (warmup)")
         samples = []
         for _ in range(opts.repetitions):
-            samples.append(_measure(case, model, timed, source, shared, kv=kv))
+            samples.append(_measure(case, model, timed, batch, source, shared, kv=kv))
             ticker(what)
         if case.kind == "prefix":
             results = _prefix_results(samples)
@@ -323,13 +326,13 @@ def _run_engine(cases, *, model, config, timed, engine, model_info, hardware, sy
         _free()
 
 
-def _measure(case: Case, model, timed, source: PromptSource, shared: dict, gen: int | None = None,
+def _measure(case: Case, model, timed, batch, source: PromptSource, shared: dict, gen: int | None = None,
              depth: int | None = None, kv=None):
     n = case.gen if gen is None else gen
     d = case.depth if depth is None else depth
     if case.kind == "batch":
         rows = [source.take(d + case.prompt, stream=i) for i in range(case.batch)]
-        return measure.run_batch(model, [r[d:] for r in rows], n, [r[:d] for r in rows] if d else None)
+        return batch([r[d:] for r in rows], n, [r[:d] for r in rows] if d else None)
     tokens = source.take(case.depth + case.prompt)
     context, prompt = tokens[:case.depth], tokens[case.depth:]
     if case.kind in ("generate", "pp", "tg"):

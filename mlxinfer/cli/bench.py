@@ -22,7 +22,7 @@ def bench_cmd(
     n_gen: Annotated[str, typer.Option("--n-gen", "-n", help="Generation lengths (EOS ignored).")] = "128",
     n_depth: Annotated[str, typer.Option("--n-depth", "-d", help="Context depths already in the KV cache.")] = "0",
     batch: Annotated[Optional[str], typer.Option(
-        "--batch", "-b", help="Batch sizes: aggregate decode tok/s through mlx-lm's BatchGenerator, e.g. 1,2,4,8."
+        "--batch", "-b", help="Batch sizes: aggregate decode tok/s through the server's scheduler, e.g. 1,2,4,8."
     )] = None,
     prefix_cache: Annotated[Optional[str], typer.Option(
         "--prefix-cache", help="Shared-prefix lengths: TTFT of each prompt with a cold cache vs the prefix cached."

@@ -8,6 +8,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
+from ..serve.prefix_cache import DEFAULT_MB as DEFAULT_PREFIX_MB
 from . import options as o
 from .chat import Pipeline
 
@@ -29,7 +30,7 @@ def serve_cmd(
     grace: Annotated[float, typer.Option("--grace", help="Seconds running requests get to finish after "
                                          "SIGTERM.")] = 30.0,
     prefix_cache_mb: Annotated[int, typer.Option("--prefix-cache-mb", help="Memory for the prefix cache "
-                                                 "(0 = off).")] = 512,
+                                                 "(0 = off).")] = DEFAULT_PREFIX_MB,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens prefilled between two "
                                                "decode steps, per waiting prompt per decoding stream (at most "
                                                "2048).")] = 256,

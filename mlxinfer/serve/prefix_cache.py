@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+DEFAULT_MB = 512  # ``mlxinfer serve --prefix-cache-mb``'s default (and ``mlxinfer bench -b``'s engine)
 MIN_REUSE = 4  # shorter matches (e.g. just the BOS and a role marker) are not worth a copy
 SHARED_MIN = 16  # a start shared by prompts arriving together is prefilled once from this many tokens on
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from ..engine.backend import release_thread_state
 from ..engine.sampling import repair_random_state
@@ -53,8 +53,10 @@ class _Step:
 
 class Engine:
     def __init__(self, loaded, metrics, *, parallel: int = 8, queue_size: int = 32, prefix_cache_bytes: int = 0,
-                 prefill_chunk: int = 256, timeout: float | None = None, batch_from: int = 2):
+                 prefill_chunk: int = 256, timeout: float | None = None, batch_from: int = 2,
+                 on_step: Callable[[int, float], None] | None = None):
         self.loaded, self.model, self.metrics = loaded, loaded.model, metrics
+        self.on_step = on_step  # (rows, perf_counter) after each decode step is read back: bench's clock
         self.parallel, self.queue_size, self.prefill_chunk, self.timeout = parallel, queue_size, prefill_chunk, timeout
         self.batch_from = max(1, batch_from)
         self.prefix = PrefixCache(prefix_cache_bytes)
@@ -314,9 +316,11 @@ class Engine:
         if step is None:
             step, self._step = self._step, None
         tokens = step.sampled.tolist()
-        entries = logprob_entries(step.rows, step.logprobs, tokens, self.loaded.tokenizer)
         now = time.perf_counter()
         n = len(step.rows)
+        if self.on_step is not None:
+            self.on_step(n, now)
+        entries = logprob_entries(step.rows, step.logprobs, tokens, self.loaded.tokenizer)
         self.metrics.batch_size.set(n)
         if n > self._peak:
             self._peak = n
@@ -375,8 +379,8 @@ class Engine:
         m = self.metrics
         m.running.set(len(self._prefilling) + len(self._batch))
         own = [c for s in [*self._prefilling, *self._batch] if s.cache is not None for c in s.cache]
-        kv = sum(c.nbytes for c in [*(self._bcache or []), *(self.prefill.group.cache if self.prefill.group else []), *own]
-                 if getattr(c, "keys", None) is not None)
+        group = self.prefill.group.cache if self.prefill.group else []
+        kv = sum(c.nbytes for c in [*(self._bcache or []), *group, *own] if getattr(c, "keys", None) is not None)
         m.kv_bytes.set(kv)
         m.prefix_bytes.set(self.prefix.nbytes)
 

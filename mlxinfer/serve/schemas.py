@@ -58,6 +58,7 @@ class Job:
     logprobs: int | None = None     # None: off; else how many alternatives per token (0 = the chosen token only)
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False        # generate exactly max_tokens (``mlxinfer bench -b``; no HTTP field sets it)
 
 
 def parse_json(body: bytes) -> dict:

@@ -57,7 +57,7 @@ class SeqState:
         self.generated += 1
         self.history.append(tok)
         self.next_input = tok
-        if tok in eos:
+        if tok in eos and not self.job.ignore_eos:
             return "stop"
         if entry is not None:
             self.pending_lp.append(entry)

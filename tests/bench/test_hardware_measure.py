@@ -117,7 +117,7 @@ def test_run_records_are_rescored_after_a_re_measurement(monkeypatch):
     opts = runner.BenchOptions(repetitions=1, warmup=0)
     from mlxinfer.bench.workload import PromptSource
 
-    runner._run_engine([case], model=None, config={}, timed=None, engine={"name": "mlxinfer"},
+    runner._run_engine([case], model=None, config={}, timed=None, batch=None, engine={"name": "mlxinfer"},
                        model_info={"name": "tiny"}, hardware=hw, system={}, source=PromptSource(10), opts=opts,
                        ticker=lambda *a: None, emit=emitted.append)
     res = emitted[0]["results"]
