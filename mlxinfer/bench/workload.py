@@ -67,7 +67,8 @@ def _expand_range(first: int, last: int, op: str, step: int, name: str, item: st
 class Case:
     """One test: ``kind`` is "generate" (single stream: prompt then generation, one row), "pp" / "tg" (llama-bench's
     separate tests: a prompt with one token generated, or generation after a one-token prompt), "batch" (b streams
-    through the server's scheduler; the mlx-lm peer's through its BatchGenerator) or "prefix" (TTFT with a cold cache vs a warm shared prefix of ``depth``)."""
+    through the server's scheduler; the mlx-lm peer's through its BatchGenerator) or "prefix" (TTFT with a cold
+    cache vs a warm shared prefix of ``depth``)."""
 
     kind: str
     prompt: int     # new prompt tokens prefilled by the timed call
