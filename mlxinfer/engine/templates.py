@@ -13,7 +13,6 @@ import math
 import os
 import re
 import threading
-import time
 from datetime import datetime
 from functools import lru_cache
 from typing import Any

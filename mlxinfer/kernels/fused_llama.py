@@ -23,7 +23,7 @@ import mlx.nn as nn
 
 from mlxinfer.kernels import fused_block, spec
 from mlxinfer.kernels.eligibility import (
-    ATTENTION_LLAMA, ATTENTION_QWEN3, BLOCK_PRENORM, MLP_SWIGLU, has_role, role_of,
+    ATTENTION_LLAMA, BLOCK_PRENORM, MLP_SWIGLU, has_role,
 )
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlxinfer.kernels.kv_cache import NativeBatchKVCache

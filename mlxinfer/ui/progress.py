@@ -9,7 +9,7 @@ from typing import Iterator
 
 from rich.console import Console
 from rich.progress import (
-    BarColumn, DownloadColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn,
+    BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn,
 )
 
 _LABELS = {"download": "Downloading", "import": "Importing GGUF", "write": "Writing MLX weights", "load": "Loading",

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import pytest
 from mlx_lm.models import cache as cache_lib
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 

@@ -149,7 +149,7 @@ def test_save_and_load_inside_chat_respect_the_lock(tiny, env, chats):
     assert all(f"session 'busy' is open in another mlxinfer (pid {holder.p.pid})" in e for e in errors)
     assert (sessions(env) / "busy.json").read_bytes() == before
     assert len(messages(env, "elsewhere")) == 2
-    assert f"busy" in other.stderr and f"open in pid {holder.p.pid}" in other.stderr  # /sessions says who
+    assert "busy" in other.stderr and f"open in pid {holder.p.pid}" in other.stderr  # /sessions says who
 
 
 def test_a_killed_holder_frees_the_session(tiny, env, chats):

@@ -77,7 +77,7 @@ def _greedy(net, prompt, n, opts):
 
 
 def test_caches_made_and_8bit_close_to_full_precision():
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     net = _tiny(quantized=False)
     prompt = list(range(3, 43))
