@@ -30,3 +30,17 @@ def test_bench_record_under_two_ranks(tmp_path):
     from mlxinfer.bench import report
 
     assert report.load_baseline(out)  # readable as a --compare baseline
+
+
+def test_a_batch_runs_the_serving_engine_on_every_rank(tmp_path):
+    """``-b``: each rank runs the serving engine on the same prompts, replaying the same rounds (one forward pass
+    per step), so their collectives pair up; rank 0 reports."""
+    model = tiny_llama(tmp_path / "m")
+    out = tmp_path / "run.json"
+    proc = launch("bench", model, "-p", "16", "-n", "8", "-b", "2", "-r", "1", "--warmup", "0", "-o", str(out))
+    assert "exited with code" not in proc.stderr, proc.stderr
+    records = json.loads(out.read_text())
+    assert len(records) == 1
+    rec = records[0]
+    assert rec["workload"]["batch"] == 2 and rec["results"]["decode_tps"]["mean"] > 0
+    assert rec["distributed"]["world_size"] == 2 and rec["distributed"]["strategy"] == "tensor"
