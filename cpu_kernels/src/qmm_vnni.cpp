@@ -9,8 +9,8 @@
 // The bias term uses the exact float32 xsum. Rounding x costs at most d/2 per element (1.5e-5 of the group's
 // largest |x|): results differ from the exact product by ~2-3e-5 of the output's scale (measured; float32
 // kernel ~1e-6), far below 4-bit weight error.
-// Prefill (M > 8) of 4-bit weights: the int8 GEMM of qmm_avx2i8gemm.cpp with the micro-kernel at the end of this
-// file (vpdpbusd); 8-bit weights and attention keep the float32 AVX-512 kernels.
+// Prefill (M > 8) of 4-bit weights: the integer GEMM of qmm_avx2i8gemm.cpp with the VNNI micro-kernels of
+// qmm_vnni_gemm.cpp; 8-bit weights and attention keep the float32 AVX-512 kernels.
 #include <immintrin.h>
 
 #include <cmath>
@@ -134,6 +134,122 @@ static inline void qmv_row(const QmmArgs& a, int n, float* sd, float* rows) {
   for (int m = 0; m < MM; ++m) _mm512_store_ps(rows + m * 256, _mm512_add_ps(acc0[m], acc1[m]));
 }
 
+// Two weight rows at once for 2 or more x rows: each x vector loaded feeds both rows' dot products. From 2 x rows
+// on the unit loop above is bound by its loads (one 64-byte x load per vpdpwssd): sharing them cut 8-row calls by
+// 20-40% (Zen 4 harness, one thread: 4-bit 2048 x 2048 1127 -> 675 us, 3072 x 576 ~550 -> ~430 us; 4 rows -7%,
+// 2 rows even). At most 4 x rows per pass: 2 x 4 int and float accumulators, 4 weight and 2 x vectors.
+template <int MM, int BITS, int GS>
+__attribute__((always_inline)) static inline void unit_dot2(const QmmArgs& a, const uint8_t* wu0, const uint8_t* wu1,
+                                                            int u, const float* sd0, const float* sd1,
+                                                            __m512 (&acc0)[MM], __m512 (&acc1)[MM], bool tail) {
+  __m512i i0[MM], i1[MM];
+  for (int m = 0; m < MM; ++m) i0[m] = i1[m] = _mm512_setzero_si512();
+  if constexpr (BITS == 4) {
+    constexpr int NB = GS == 128 ? 2 : 1;  // 64-element blocks, laid out as in unit_dot
+    const __m512i low4 = _mm512_set1_epi16(0x0F);
+    for (int i = 0; i < NB; ++i) {
+      const int blk = u * NB + i;
+      const __m256i r0 = tail ? _mm256_maskz_loadu_epi8((__mmask32)0xFFFF, wu0 + i * 32)
+                              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wu0 + i * 32));
+      const __m256i r1 = tail ? _mm256_maskz_loadu_epi8((__mmask32)0xFFFF, wu1 + i * 32)
+                              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wu1 + i * 32));
+      const __m512i v0 = _mm512_cvtepu8_epi16(r0), v1 = _mm512_cvtepu8_epi16(r1);
+      const __m512i lo0 = _mm512_and_si512(v0, low4), hi0 = _mm512_srli_epi16(v0, 4);
+      const __m512i lo1 = _mm512_and_si512(v1, low4), hi1 = _mm512_srli_epi16(v1, 4);
+      for (int m = 0; m < MM; ++m) {
+        const int16_t* xq = a.xq + (size_t)m * a.kpad + blk * 64;
+        const __m512i xl = _mm512_loadu_si512(xq), xh = _mm512_loadu_si512(xq + 32);
+        i0[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i0[m], lo0, xl), hi0, xh);
+        i1[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(i1[m], lo1, xl), hi1, xh);
+      }
+    }
+  } else {
+    constexpr int NB = GS / 32;
+    for (int i = 0; i < NB; ++i) {
+      const int blk = u * NB + i;
+      const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wu0 + i * 32)));
+      const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wu1 + i * 32)));
+      for (int m = 0; m < MM; ++m) {
+        const __m512i xv = _mm512_loadu_si512(a.xq + (size_t)m * a.kpad + blk * 32);
+        i0[m] = _mm512_dpwssd_epi32(i0[m], v0, xv);
+        i1[m] = _mm512_dpwssd_epi32(i1[m], v1, xv);
+      }
+    }
+  }
+  for (int m = 0; m < MM; ++m) {
+    __m512 s0, s1;
+    if constexpr (BITS == 4 && GS == 32) {
+      s0 = pair_scale(sd0 + m * a.gpad + 2 * u);
+      s1 = pair_scale(sd1 + m * a.gpad + 2 * u);
+    } else {
+      s0 = _mm512_set1_ps(sd0[m * a.gpad + u]);
+      s1 = _mm512_set1_ps(sd1[m * a.gpad + u]);
+    }
+    acc0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[m]), s0, acc0[m]);
+    acc1[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[m]), s1, acc1[m]);
+  }
+}
+
+// Output rows n and n + 1 for MM <= 4 x rows: their accumulators go to out0 / out1 (+ m * 256, as qmv_row's).
+template <int MM, int BITS, int GS>
+static inline void qmv_row2(const QmmArgs& a, int n, float* sd0, float* sd1, float* out0, float* out1) {
+  static_assert(MM >= 1 && MM <= 4, "at most 4 x rows per pass");
+  const int K = a.K, ng = K / GS, gp = a.gpad;
+  const size_t row_bytes = (size_t)K * BITS / 8;
+  constexpr int unit_elems = BITS == 4 && GS == 32 ? 64 : GS;
+  constexpr int unit_bytes = unit_elems * BITS / 8;
+  const int nfull = K / unit_elems;
+  const bool tail = K % unit_elems != 0;
+  __m512 acc0[MM], acc1[MM];
+  for (int m = 0; m < MM; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
+  for (int g = 0; g < ng; g += 16) {  // sd and the bias terms of both rows, as qmv_row
+    const size_t off0 = (size_t)n * ng + g, off1 = off0 + ng;
+    const __m512 sv0 = load_scales(a.scales, a.stype, off0, ng - g), bv0 = load_scales(a.biases, a.stype, off0, ng - g);
+    const __m512 sv1 = load_scales(a.scales, a.stype, off1, ng - g), bv1 = load_scales(a.biases, a.stype, off1, ng - g);
+    for (int m = 0; m < MM; ++m) {
+      const size_t xo = (size_t)m * gp + g;
+      const __m512 xd = _mm512_loadu_ps(a.xd + xo), xs = _mm512_loadu_ps(a.xsum + xo);
+      const __m512 xc = _mm512_loadu_ps(a.xcorr + xo);
+      _mm512_store_ps(sd0 + m * gp + g, _mm512_mul_ps(sv0, xd));
+      _mm512_store_ps(sd1 + m * gp + g, _mm512_mul_ps(sv1, xd));
+      acc0[m] = _mm512_fmadd_ps(sv0, xc, _mm512_fmadd_ps(bv0, xs, acc0[m]));
+      acc1[m] = _mm512_fmadd_ps(sv1, xc, _mm512_fmadd_ps(bv1, xs, acc1[m]));
+    }
+  }
+  const uint8_t* w0 = a.w + (size_t)n * row_bytes;
+  const uint8_t* w1 = w0 + row_bytes;
+  for (int u = 0; u < nfull; ++u) {
+    const int o = u * unit_bytes;
+    for (int l = (o + 63) / 64 * 64; l < o + unit_bytes; l += 64) {  // each cache line once, kPrefetch ahead
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + l + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + l + kPrefetch), _MM_HINT_T0);
+    }
+    unit_dot2<MM, BITS, GS>(a, w0 + o, w1 + o, u, sd0, sd1, acc0, acc1, false);
+  }
+  if (tail) unit_dot2<MM, BITS, GS>(a, w0 + nfull * unit_bytes, w1 + nfull * unit_bytes, nfull, sd0, sd1, acc0, acc1, true);
+  for (int m = 0; m < MM; ++m) {
+    _mm512_store_ps(out0 + m * 256, acc0[m]);
+    _mm512_store_ps(out1 + m * 256, acc1[m]);
+  }
+}
+
+// Rows j and j + 1 of a block for all MM x rows: passes of at most 4 (a view of QmmArgs past the first 4 x rows).
+template <int MM, int BITS, int GS>
+static inline void qmv_pair(const QmmArgs& a, int n, float* sd0, float* sd1, float* rows, int j) {
+  if constexpr (MM <= 4) {
+    qmv_row2<MM, BITS, GS>(a, n, sd0, sd1, rows + 16 * j, rows + 16 * (j + 1));
+  } else {
+    qmv_row2<4, BITS, GS>(a, n, sd0, sd1, rows + 16 * j, rows + 16 * (j + 1));
+    QmmArgs b = a;
+    b.xq = a.xq + (size_t)4 * a.kpad;
+    b.xd = a.xd + (size_t)4 * a.gpad;
+    b.xsum = a.xsum + (size_t)4 * a.gpad;
+    b.xcorr = a.xcorr + (size_t)4 * a.gpad;
+    float* r = rows + 4 * 256;
+    qmv_row2<MM - 4, BITS, GS>(b, n, sd0, sd1, r + 16 * j, r + 16 * (j + 1));
+  }
+}
+
 // r[i] = the sum of the 16 lanes of v[i] (16 vectors, 64-byte aligned, 16 floats apart): a tree of 30 shuffles
 // and adds for 16 rows, where one reduction per row costs ~8 dependent ones at the end of every row (Zen 4, one
 // thread, 16384 x 640 4-bit rows: 15% of a row's time).
@@ -155,18 +271,23 @@ static inline __m512 sum16(const float* v) {
   return _mm512_permutexvar_ps(order, z);
 }
 
-// Output rows in blocks of 16: each row leaves its accumulator in `rows` ([m][row][16]), and sum16 reduces a
-// block's 16 at once into 16 consecutive outputs per x row (a partial block's extra lanes are not stored).
+// Output rows in blocks of 16 (from 2 x rows on, two at a time: qmv_pair): each row leaves its accumulator in
+// `rows` ([m][row][16]), and sum16 reduces a block's 16 at once into 16 consecutive outputs per x row (a partial
+// block's extra lanes are not stored).
 template <int MM, int BITS, int GS>
 static void qmv_rows(const QmmArgs& a, int n0, int n1) {
   thread_local std::vector<float> store;
-  const size_t sd_len = ((size_t)MM * a.gpad + 15) / 16 * 16;
+  const size_t sd_len = ((size_t)(MM > 8 ? MM : 8) * a.gpad + 15) / 16 * 16;  // qmv_pair: 2 x 4 x gpad
   store.resize(sd_len + (size_t)MM * 256 + 16);
   float* sd = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
   float* rows = sd + sd_len;
   for (int nb = n0; nb < n1; nb += 16) {
     const int cnt = n1 - nb < 16 ? n1 - nb : 16;
-    for (int j = 0; j < cnt; ++j) qmv_row<MM, BITS, GS>(a, nb + j, sd, rows + 16 * j);
+    int j = 0;
+    if constexpr (MM >= 2) {
+      for (; j + 1 < cnt; j += 2) qmv_pair<MM, BITS, GS>(a, nb + j, sd, sd + 4 * a.gpad, rows, j);
+    }
+    for (; j < cnt; ++j) qmv_row<MM, BITS, GS>(a, nb + j, sd, rows + 16 * j);
     const __mmask16 k = (__mmask16)((1u << cnt) - 1);
     for (int m = 0; m < MM; ++m) _mm512_mask_storeu_ps(a.out + (size_t)m * a.N + nb, k, sum16(rows + m * 256));
   }
@@ -258,103 +379,6 @@ static void prep_x16(const float* x, int M, int K, int gs, int bits, int kpad, i
 }
 
 }  // namespace isa_vnni
-
-// ---- The int8 prefill's micro-kernel (qmm_kernels.h: I8MicroFn; layouts in qmm_avx2i8gemm.cpp) ----------------
-// A chunk (32 k) of a 16-column panel is 8 quads of 64 bytes: quad e holds k = 4e..4e+3 of each column (one dword
-// per column), exactly vpdpbusd's operand: u8 weights x s8 x, 4 products per int32 lane. x's 4 bytes of quad e
-// are broadcast from memory. The int32 sums equal the AVX2 kernel's (both exact), and the float steps are the same
-// operations in the same order, so the two kernels' outputs are equal bit for bit.
-namespace isa_vnni {
-
-// s[m] = the integer dot products of x row m's chunk c with the panel's 16 columns (int32, column order).
-template <bool WIDE>
-__attribute__((always_inline)) static inline void chunk_sums(const uint8_t* wc, const void* xq, size_t xq_stride,
-                                                             int c, __m512i (&s)[kI8RowBlock]) {
-  constexpr int MR = kI8RowBlock;
-  if constexpr (!WIDE) {
-    const int8_t* x0 = static_cast<const int8_t*>(xq) + c * 32;
-    for (int m = 0; m < MR; ++m) s[m] = _mm512_setzero_si512();
-    for (int e = 0; e < 8; ++e) {
-      const __m512i w = _mm512_load_si512(reinterpret_cast<const void*>(wc + e * 64));
-      for (int m = 0; m < MR; ++m) {
-        int32_t v;
-        std::memcpy(&v, x0 + m * xq_stride + 4 * e, 4);
-        s[m] = _mm512_dpbusd_epi32(s[m], w, _mm512_set1_epi32(v));
-      }
-    }
-  } else {
-    // A quad's 32-byte half (8 columns x 4 k) widened to int16 is 16 dword lanes: (k0, k1) and (k2, k3) of each
-    // column; x's 4 int16 of the quad broadcast as a qword match them. Each column's two lanes add up at the end.
-    const int16_t* x0 = static_cast<const int16_t*>(xq) + c * 32;
-    __m512i h[MR][2];
-    for (int m = 0; m < MR; ++m) h[m][0] = h[m][1] = _mm512_setzero_si512();
-    for (int e = 0; e < 8; ++e) {
-      for (int half = 0; half < 2; ++half) {
-        const __m512i w = _mm512_cvtepu8_epi16(
-            _mm256_load_si256(reinterpret_cast<const __m256i*>(wc + e * 64 + half * 32)));
-        for (int m = 0; m < MR; ++m) {
-          int64_t v;
-          std::memcpy(&v, x0 + m * xq_stride + 4 * e, 8);
-          h[m][half] = _mm512_dpwssd_epi32(h[m][half], w, _mm512_set1_epi64(v));
-        }
-      }
-    }
-    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    for (int m = 0; m < MR; ++m) {
-      const __m512i a = _mm512_add_epi32(h[m][0], _mm512_srli_epi64(h[m][0], 32));  // lane 2j: column j
-      const __m512i b = _mm512_add_epi32(h[m][1], _mm512_srli_epi64(h[m][1], 32));  // lane 2j: column 8 + j
-      s[m] = _mm512_permutex2var_epi32(a, evens, b);
-    }
-  }
-}
-
-template <int CPG, bool WIDE>
-static void i8_micro(const uint8_t* wp, const float* sp, const float* bp, const void* xq, size_t xq_stride,
-                     const float* xd, size_t xd_stride, const float* xs, const float* xc, size_t xs_stride, int nchunk,
-                     float* tile) {
-  constexpr int MR = kI8RowBlock, NP = 16;
-  static_assert(MR == 4, "written for 4 x rows");
-  __m512 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  for (int c = 0; c < nchunk; ++c) {
-    const uint8_t* wc = wp + (size_t)c * 512;
-    __m512i s[MR];
-    chunk_sums<WIDE>(wc, xq, xq_stride, c, s);
-    const int g = c / CPG;
-    const __m512 sv = _mm512_loadu_ps(sp + g * NP);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 dv = _mm512_set1_ps(xd[m * xd_stride + c]);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), _mm512_mul_ps(sv, dv), acc[m]);
-    }
-    if (c % CPG == CPG - 1) {  // end of a group: the bias and centring terms
-      const __m512 bv = _mm512_loadu_ps(bp + g * NP);
-      for (int m = 0; m < MR; ++m) {
-        const __m512 xsv = _mm512_set1_ps(xs[m * xs_stride + g]);
-        const __m512 xcv = _mm512_set1_ps(xc[m * xs_stride + g]);
-        acc[m] = _mm512_fmadd_ps(sv, xcv, _mm512_fmadd_ps(bv, xsv, acc[m]));
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(tile + m * NP, acc[m]);
-}
-
-}  // namespace isa_vnni
-
-I8MicroFn vnni_i8_micro(int chunks_per_group) {
-  switch (chunks_per_group) {
-    case 1: return isa_vnni::i8_micro<1, false>;
-    case 2: return isa_vnni::i8_micro<2, false>;
-    default: return isa_vnni::i8_micro<4, false>;
-  }
-}
-
-I8MicroFn vnni_i16_micro(int chunks_per_group) {
-  switch (chunks_per_group) {
-    case 1: return isa_vnni::i8_micro<1, true>;
-    case 2: return isa_vnni::i8_micro<2, true>;
-    default: return isa_vnni::i8_micro<4, true>;
-  }
-}
 
 KernelSet avx512vnni_kernels() {
   KernelSet ks = avx512_kernels();  // prefill tiles and their packing stay the float32 AVX-512 ones
