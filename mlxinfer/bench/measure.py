@@ -231,8 +231,12 @@ def run_served_batch(loaded, prompts: list[list[int]], gen: int, contexts: list[
         engine.submit(t)
     engine.start()
     try:
-        for _ in tickets:
-            ended.acquire()
+        left = len(tickets)
+        while left:
+            if ended.acquire(timeout=1.0):
+                left -= 1
+            elif not engine.alive:  # a bug that ended the engine's thread: fail, do not wait forever
+                raise RuntimeError("the serving engine stopped before answering every request")
     finally:
         engine.stop()
     if errors:

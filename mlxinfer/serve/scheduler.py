@@ -76,6 +76,11 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (it ends only when stopped, or on a bug outside a step)."""
+        return self._thread.is_alive()
+
     def submit(self, ticket: Ticket) -> None:
         if self.timeout:
             ticket.deadline = ticket.arrival + self.timeout

@@ -74,3 +74,14 @@ def test_eos_ends_a_request_unless_it_asks_for_exactly_max_tokens(loaded):
 def test_a_context_too_short_to_cache_is_prefilled_in_the_timed_call(loaded):
     s = measure.run_served_batch(loaded, [[7, 8, 9], [4, 5, 6]], 2, contexts=[[10, 11], [12, 13]])
     assert len(s.token_times) == 2 and s.prompt_tokens == 10
+
+
+def test_an_engine_that_dies_fails_the_batch_instead_of_hanging(loaded, monkeypatch):
+    from mlxinfer.serve.scheduler import Engine
+
+    def broken(self):
+        return None  # the engine thread ends without answering anyone
+
+    monkeypatch.setattr(Engine, "_run", broken)
+    with pytest.raises(RuntimeError, match="stopped before answering"):
+        measure.run_served_batch(loaded, [[1, 2, 3], [4, 5, 6]], 2)
