@@ -409,7 +409,7 @@ KernelSet with_integer_prefill(KernelSet ks) {
   // Under int8 the name says so below; int16, unset and any unknown value (mlxinfer.native reports it) keep the
   // int16 GEMM as the precise path.
   if (prefill_mode() == PrefillMode::float32) return ks;
-  const bool vnni = std::strcmp(ks.isa, "avx512vnni") == 0;
+  const bool vnni = std::strncmp(ks.isa, "avx512vnni", 10) == 0;  // avx512vnni, avx512vnnii8
   ks.qmm_i8 = vnni ? isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::vnni_i8> : isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::avx2_i8>;
   ks.prep_x8_gemm = isa_avx2i8gemm::prep_x<int8_t>;
   // The precise default: int16 x, same GEMM.
@@ -417,9 +417,15 @@ KernelSet with_integer_prefill(KernelSet ks) {
                    : isa_avx2i8gemm::qmm<isa_avx2i8gemm::Micro::avx2_i16>;
   ks.prep_x16_gemm = isa_avx2i8gemm::prep_x<int16_t>;
   // The name carries the choice: kernel reports and bench provenance must say that prefill rounds x to int8.
-  if (int8_prefill_requested())
-    ks.isa = vnni ? "avx512vnni+int8-prefill"
-                  : std::strcmp(ks.isa, "avx2i8") == 0 ? "avx2i8+int8-prefill" : "avx2+int8-prefill";
+  if (int8_prefill_requested()) {
+    static const char* const named[][2] = {{"avx512vnni", "avx512vnni+int8-prefill"},
+                                           {"avx512vnnii8", "avx512vnnii8+int8-prefill"},
+                                           {"avx2i8", "avx2i8+int8-prefill"}};
+    const char* name = "avx2+int8-prefill";
+    for (const auto& n : named)
+      if (std::strcmp(ks.isa, n[0]) == 0) name = n[1];
+    ks.isa = name;
+  }
   return ks;
 }
 

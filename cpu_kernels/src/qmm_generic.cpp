@@ -98,6 +98,7 @@ const KernelSet& select_kernels() {
       ks.isa = "avx512amx";
       return ks;
     }
+    if (want == "avx512vnnii8" && vnni) return with_integer_prefill(avx512vnnii8_kernels());
     if ((want.empty() || want == "avx512vnni" || want == "avx512amx") && vnni)
       return with_integer_prefill(avx512vnni_kernels());
     if ((want.empty() || want == "avx512") && has512) return avx512_kernels();
@@ -119,7 +120,7 @@ SdpaFn select_sdpa() {
     std::string isa = select_kernels().isa;
     isa = isa.substr(0, isa.find('+'));  // "avx2+int8-prefill": the attention is the base set's
 #if defined(__x86_64__) || defined(_M_X64)
-    if (isa == "avx512" || isa == "avx512vnni" || isa == "avx512amx") return avx512_sdpa();
+    if (isa == "avx512" || isa == "avx512vnni" || isa == "avx512vnnii8" || isa == "avx512amx") return avx512_sdpa();
     if (isa == "avx2" || isa == "avx2float" || isa == "avx2i8") return avx2_sdpa();
 #elif defined(__aarch64__)
     if (isa == "neon") return neon_sdpa();

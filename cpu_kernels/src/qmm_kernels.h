@@ -94,6 +94,7 @@ struct KernelSet {
   bool int8_x = false;
   void (*prep_x8)(const float* x, int M, int K, int group_size, int kpad, int gpad, int8_t* xb, float* xd,
                   float* xcorr, float* xsum) = nullptr;
+  int int8_kpad = 64;  // xb rows are padded to a multiple of this (the set's int8 layout: 64 or 128 per block)
   // Int8 prefill (M > 8, 4-bit weights) when set, and its x preparation into XInt8's buffers.
   QmmI8Fn qmm_i8 = nullptr;
   void (*prep_x8_gemm)(const float* x, int M, int K, int group_size, int mpad, int8_t* q, float* d, float* sum,
@@ -116,6 +117,7 @@ KernelSet avx2int_kernels();  // isa "avx2": int16 x decode (qmm_avx2int.cpp), f
 KernelSet avx2i8_kernels();   // isa "avx2i8": int8 x decode for 4-bit weights (qmm_avx2i8.cpp), else avx2's
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
+KernelSet avx512vnnii8_kernels();  // isa "avx512vnnii8": int8 x decode for 4-bit weights (qmm_vnni_i8.cpp), else avx512vnni's
 // + the integer prefill GEMMs: int8 on the AVX2 integer and VNNI sets (used when MLXINFER_PREFILL=int8 or
 // set_int8_prefill(true); the name then ends in "+int8-prefill"), int16 on the same sets (the default there).
 // MLXINFER_PREFILL=float: neither (float32 tiles).
@@ -144,11 +146,12 @@ KernelSet neon_kernels();
 #endif
 
 // Best set for this CPU (runtime dispatch), or the one forced by
-// MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni|avx512amx
+// MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni|avx512vnnii8|avx512amx
 // (x86) or generic|neon (arm64).
 const KernelSet& select_kernels();
 
-// On (default): 4-bit decode matvecs of an int8_x set (avx2i8) round x to int8; off: to int16 as avx2 does.
+// On (default): 4-bit decode matvecs of an int8_x set (avx2i8, avx512vnnii8) round x to int8; off: to int16 as
+// their base sets (avx2, avx512vnni) do.
 // Returns the previous setting. In quantized.cpp.
 bool set_int8_decode(bool on);
 // On (default): prefill of a set with qmm_i8 (4-bit weights) rounds x to int8 per 32-block; off: float32 tiles.

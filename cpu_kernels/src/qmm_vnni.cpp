@@ -11,7 +11,6 @@
 // kernel ~1e-6), far below 4-bit weight error.
 // Prefill (M > 8) of 4-bit weights: the integer GEMM of qmm_avx2i8gemm.cpp with the VNNI micro-kernels of
 // qmm_vnni_gemm.cpp; 8-bit weights and attention keep the float32 AVX-512 kernels.
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -19,25 +18,12 @@
 #include <vector>
 
 #include "qmm_kernels.h"
+#include "vnni_helpers.h"
 
 namespace mlxinfer_cpu {
 namespace isa_vnni {
 
-// 16 scales (or biases) from element `off` as float32; lanes past `count` are zero.
-static inline __m512 load_scales(const void* base, ScaleType t, size_t off, int count) {
-  const __mmask16 k = count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
-  if (t == ScaleType::f32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(base) + off);
-  const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(base) + off);
-  return t == ScaleType::f16 ? _mm512_cvtph_ps(h)
-                             : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// Reads a (lo, hi) float pair and spreads it over lanes 0-7 and 8-15: the scales of two 32-groups that share
-// one 64-element block.
-static inline __m512 pair_scale(const float* p) {
-  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)))));
-}
+using namespace vnni_helpers;
 
 // Centring q (q - 8 for 4-bit, q - 128 for 8-bit) halves |s * q| and with it the error that rounding x
 // contributes (it scales with the integer weights, not with w). It is free: sum (q - off) xq = I - off * sum xq
@@ -89,10 +75,6 @@ __attribute__((always_inline)) static inline void unit_dot(const QmmArgs& a, con
     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]), scale, acc[m]);
   }
 }
-
-// Prefetch distance in bytes (Dec 6, 600 MB of 8192 x 2048 matrices cycled, GB/s: none 14.6, 1024 18.8, 2048 20.6,
-// 4096 20.6, 8192 19.7; hints T1/T2/NTA slower than T0).
-constexpr int kPrefetch = 2048;
 
 // One output row for all MM x rows. Rows go one at a time at every length: one stream per thread prefetches best
 // from DRAM (Dec 6, rows of 288 / 576 / 768 bytes streamed from 600 MB: 18.8 / 19.4 / 22.2 GB/s one at a time vs
@@ -251,45 +233,6 @@ static inline void qmv_pair(const QmmArgs& a, int n, float* sd0, float* sd1, flo
     float* r = rows + 4 * 256;
     qmv_row2<MM - 4, BITS, GS>(b, n, sd0, sd1, r + 16 * j, r + 16 * (j + 1));
   }
-}
-
-// r[i] = the sum of the 16 lanes of v[i] (16 vectors, 64-byte aligned, 16 floats apart): a tree of 30 shuffles
-// and adds for 16 rows, where one reduction per row costs ~8 dependent ones at the end of every row (Zen 4, one
-// thread, 16384 x 640 4-bit rows: 15% of a row's time).
-static inline __m512 sum16(const float* v) {
-  __m512 w[8], x[4], y[2];
-  for (int k = 0; k < 8; ++k) {  // w[k]: quarters 0-1 row 2k, 2-3 row 2k + 1 (8 partial sums each)
-    const __m512 a = _mm512_load_ps(v + 32 * k), b = _mm512_load_ps(v + 32 * k + 16);
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  for (int k = 0; k < 4; ++k)  // x[k]: quarter q row 4k + q (4 partial sums)
-    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
-  for (int k = 0; k < 2; ++k)  // y[k]: quarter q elements 0-1 row 8k + q, 2-3 row 8k + 4 + q
-    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
-                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
-  // quarter q element e: row q + 4e
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, z);
-}
-
-// One x row streams weight rows one at a time, except rows of at most 512 bytes on AMD CPUs: there two at a time
-// (Zen 4, alternating builds, 4 runs x 200 tokens: SmolLM2 shapes decode median ~176 -> ~199 tok/s, Gemma-3-270M
-// ~104 -> ~114; harness: -8-10% in cache and on 320-byte rows from DRAM, but +37% on 1024-byte rows). Intel keeps
-// one row: on the VNNI Xeon 4 rows side by side streamed 288-byte rows 16% slower; 2 were not measured there.
-static bool short_row_pairs() {
-  static const bool amd = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
-    char vendor[13];
-    std::memcpy(vendor, &ebx, 4);
-    std::memcpy(vendor + 4, &edx, 4);
-    std::memcpy(vendor + 8, &ecx, 4);
-    vendor[12] = 0;
-    return std::strcmp(vendor, "AuthenticAMD") == 0;
-  }();
-  return amd;
 }
 
 // Output rows in blocks of 16 (from 2 x rows on, two at a time: qmv_pair): each row leaves its accumulator in

@@ -113,10 +113,11 @@ std::atomic<bool> int8_prefill{int8_prefill_requested()};
 // its own scale d = max|x| / (32767 for int16, 127 for int8), so one outlier only coarsens its own group. prep
 // fills (q, d, corr, sum) for kpad / gpad; field is where the kernels read q.
 template <typename Q, typename Prep>
-void prep_int_x(int M, int K, int group_size, std::vector<QmmArgs>& args, const Q* QmmArgs::*field, Prep prep) {
+void prep_int_x(int M, int K, int group_size, int kalign, std::vector<QmmArgs>& args, const Q* QmmArgs::*field,
+                Prep prep) {
   thread_local std::vector<Q> xq;
   thread_local std::vector<float> xd, xs, xc;
-  const int kpad = (K + 63) / 64 * 64;
+  const int kpad = (K + kalign - 1) / kalign * kalign;
   const int gpad = (K / group_size + 1 + 15) / 16 * 16;  // one spare group: a 64-block reads two group scales
   xq.assign((size_t)M * kpad, 0);
   xd.assign((size_t)M * gpad, 0.f);
@@ -135,7 +136,7 @@ void prep_int_x(int M, int K, int group_size, std::vector<QmmArgs>& args, const 
 
 void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, int bits,
                   std::vector<QmmArgs>& args) {
-  prep_int_x<int16_t>(M, K, group_size, args, &QmmArgs::xq,
+  prep_int_x<int16_t>(M, K, group_size, 64, args, &QmmArgs::xq,
                       [&](int kpad, int gpad, int16_t* q, float* d, float* c, float* sum) {
                         ks.prep_x16(xf, M, K, group_size, bits, kpad, gpad, q, d, c, sum);
                       });
@@ -143,7 +144,7 @@ void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_
 
 // 4-bit weights only (KernelSet::int8_x).
 void prep_int8_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, std::vector<QmmArgs>& args) {
-  prep_int_x<int8_t>(M, K, group_size, args, &QmmArgs::xb,
+  prep_int_x<int8_t>(M, K, group_size, ks.int8_kpad, args, &QmmArgs::xb,
                      [&](int kpad, int gpad, int8_t* q, float* d, float* c, float* sum) {
                        ks.prep_x8(xf, M, K, group_size, kpad, gpad, q, d, c, sum);
                      });

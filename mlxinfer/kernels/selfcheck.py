@@ -240,7 +240,7 @@ def _error(m: nn.Module) -> float:
 def _precise_activations():
     """The native kernels' activations at their precise rounding while checking: decode x at int16 (avx2i8) and
     prefill x at float32 (the AVX2 int8 prefill GEMM). Int8 x (llama.cpp-grade, ~1-3% of a layer's output on
-    random input) would hide a changed formula in its rounding; test_qmm_avx2i8.py, test_qmm_avx2i8gemm.py and
+    random input) would hide a changed formula in its rounding; test_qmm_int8_decode.py, test_qmm_avx2i8gemm.py and
     test_spec_layers.py hold the int8 paths. The settings found are restored."""
     from mlxinfer import native
 

@@ -12,7 +12,7 @@ a build is used only when its stamp matches the running MLX (and, in a source ch
 ``problem()`` is the one line a front end shows when the kernels are off for a reason the user did not choose.
 
 Environment: ``MLXINFER_NATIVE=0`` turns the kernels off; ``MLXINFER_THREADS=N`` sets the worker threads
-(default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni|avx512amx`` (x86) or
+(default: all cores); ``MLXINFER_ISA=generic|avx2float|avx2|avx2i8|avx512|avx512vnni|avx512vnnii8|avx512amx`` (x86) or
 ``generic|neon`` (arm64) forces a kernel variant (for tests). Prefill (more than 8 rows) on a CPU with AMX-BF16
 (Intel Sapphire Rapids and later, when Linux grants the tile state) runs on AMX tiles by default: set
 ``avx512amx``, x split into two bf16 parts, float32-grade results (~1e-6 of an output's scale), 4- and 8-bit weights.
@@ -165,7 +165,9 @@ def prefill_problem() -> Optional[str]:
             f"MLXINFER_PREFILL={', '.join(PREFILL_MODES[:-1])} or {PREFILL_MODES[-1]}, or unset it")
 
 
-INT8_DECODE_SET = "avx2i8"  # the kernel set whose decode matvecs round x to int8 (MLXINFER_ISA=avx2i8)
+# The kernel sets whose decode matvecs round x to int8 (MLXINFER_ISA=avx2i8 or avx512vnnii8), and the set each
+# one is, x at int16, otherwise.
+INT8_DECODE_SETS = {"avx2i8": "avx2", "avx512vnnii8": "avx512vnni"}
 
 
 def _switch_on(setter: Callable[[bool], bool]) -> bool:
@@ -175,11 +177,16 @@ def _switch_on(setter: Callable[[bool], bool]) -> bool:
     return bool(was)
 
 
+def _base_isa(module: ModuleType) -> str:
+    """The kernel set's name without what follows '+' ("avx2i8+int8-prefill" -> "avx2i8")."""
+    return module.isa().split("+")[0]
+
+
 def int8_decode_active(module: Optional[ModuleType] = None) -> bool:
-    """Whether decode's 4-bit matvecs round x to int8 now: the avx2i8 set with its int8 path on (the load-time
-    self-check turns it off while it runs)."""
+    """Whether decode's 4-bit matvecs round x to int8 now: a set of INT8_DECODE_SETS with its int8 path on (the
+    load-time self-check turns it off while it runs)."""
     module = module if module is not None else _load()
-    if module is None or not module.isa().startswith(INT8_DECODE_SET) or not hasattr(module, "set_int8_decode"):
+    if module is None or _base_isa(module) not in INT8_DECODE_SETS or not hasattr(module, "set_int8_decode"):
         return False
     return _switch_on(module.set_int8_decode)
 
@@ -199,10 +206,11 @@ def report_notes() -> list:
     module = _load()
     notes = []
     if module is not None and int8_decode_active(module):
-        notes.append(f"decode at int8 ({INT8_DECODE_SET}: the 4-bit matvecs' x rounded per group, llama.cpp's grade; "
-                     "MLXINFER_ISA=avx2 for int16)")
+        isa = _base_isa(module)
+        notes.append(f"decode at int8 ({isa}: the 4-bit matvecs' x rounded per group, llama.cpp's grade; "
+                     f"MLXINFER_ISA={INT8_DECODE_SETS[isa]} for int16)")
     if module is not None and int8_prefill_active(module):
-        notes.append(f"prefill at int8 ({module.isa().split('+')[0]}: the 4-bit layers' x rounded per 32-block, "
+        notes.append(f"prefill at int8 ({_base_isa(module)}: the 4-bit layers' x rounded per 32-block, "
                      "llama.cpp's Q8_0 grade; unset MLXINFER_PREFILL for the precise path)")
     line = prefill_problem()
     if line:

@@ -7,14 +7,17 @@ import subprocess
 import sys
 
 
-INT8_PREFILL_SETS = ("avx2", "avx2i8", "avx512vnni")  # the sets with the int8 prefill GEMM (opt-in: MLXINFER_PREFILL=int8)
+# The sets with the int8 prefill GEMM (opt-in: MLXINFER_PREFILL=int8).
+INT8_PREFILL_SETS = ("avx2", "avx2i8", "avx512vnni", "avx512vnnii8")
+INT8_DECODE_SETS = ("avx2i8", "avx512vnnii8")  # the sets whose 4-bit decode rounds x to int8 (opt-in: MLXINFER_ISA)
 AMX_SET = "avx512amx"  # the VNNI set with the AMX-BF16 prefill: only under the default prefill
 
 
 def isa_variants(current: str) -> list:
     """The variants a CPU whose best is ``current`` can run (each CPU that runs one runs those before it)."""
     current = current.split("+")[0]  # "avx2+int8-prefill" (MLXINFER_PREFILL=int8) runs what "avx2" runs
-    for order in (["generic", "avx2float", "avx2i8", "avx2", "avx512", "avx512vnni", AMX_SET], ["generic", "neon"]):
+    x86 = ["generic", "avx2float", "avx2i8", "avx2", "avx512", "avx512vnnii8", "avx512vnni", AMX_SET]
+    for order in (x86, ["generic", "neon"]):
         if current in order:
             return order[: order.index(current) + 1]
     return ["generic"]

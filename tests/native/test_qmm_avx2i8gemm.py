@@ -196,7 +196,8 @@ _NAME = "from mlxinfer import native; print(native.extension().isa(), native.pre
     ("avx2", "Float", "avx2"), ("avx512vnni", None, "avx512vnni"), ("avx512vnni", "int8", "avx512vnni+int8-prefill"),
     ("avx512vnni", "float", "avx512vnni"), ("avx512", "int8", "avx512"), ("avx512vnni", "int16", "avx512vnni"),
     ("avx512amx", None, "avx512amx"), ("avx512amx", "int16", "avx512vnni"), ("avx512amx", "float", "avx512vnni"),
-    ("avx512amx", "int8", "avx512vnni+int8-prefill"),
+    ("avx512amx", "int8", "avx512vnni+int8-prefill"), ("avx512vnnii8", None, "avx512vnnii8"),
+    ("avx512vnnii8", "int8", "avx512vnnii8+int8-prefill"),
 ])
 def test_the_kernel_set_name_says_int8_prefill(native_ext, isa, prefill, name):
     """Int8 prefill is opt-in (MLXINFER_PREFILL=int8) on the AVX2 integer and AVX-512 VNNI sets, never on avx2float

@@ -146,9 +146,11 @@ _ISA_SCRIPT = textwrap.dedent(
             ref = mx.quantized_matmul(x, q, s, b, group_size=128, bits=bits)
             out = ext.quantized_matmul(x, q, s, b, group_size=128, bits=bits)
             err = mx.abs(out - ref).max().item()
-            # avx2i8's decode and the int8 prefill (4-bit, M > 8) round x to int8 (llama.cpp-grade, ~0.5% of the
-            # output's scale; test_qmm_avx2i8.py and test_qmm_avx2i8gemm.py hold them to int8-aware references).
-            int8 = ext.isa().startswith("avx2i8") or (bits == 4 and M > 8 and ext.isa().endswith("+int8-prefill"))
+            # avx2i8's and avx512vnnii8's decode and the int8 prefill (4-bit, M > 8) round x to int8 (llama.cpp-grade,
+            # ~0.5% of the output's scale; test_qmm_int8_decode.py and test_qmm_avx2i8gemm.py hold them to int8-aware
+            # references).
+            set_name = ext.isa()
+            int8 = set_name.split("+")[0].endswith("i8") or (bits == 4 and M > 8 and set_name.endswith("+int8-prefill"))
             if err > (2e-2 if int8 else 1e-4) * mx.abs(ref).max().item():
                 sys.exit(f"bits={bits} M={M} err={err}")
     """

@@ -1,5 +1,6 @@
-"""The AVX2 int8 decode kernel (MLXINFER_ISA=avx2i8: x rounded to int8 per weight group, vpmaddubsw on the 4-bit
-nibbles), in its own process (the kernel set is chosen once per process).
+"""The int8 decode kernels (MLXINFER_ISA=avx2i8: x rounded to int8 per weight group, vpmaddubsw on the 4-bit
+nibbles; MLXINFER_ISA=avx512vnnii8: the same rounding, vpdpbusd on 128-element blocks), each in its own process
+(the kernel set is chosen once per process).
 
 Two references: an int8-aware one (the same rounding of x done in numpy, products summed in float64) that the
 kernel must match to float32 accumulation error, so a wrong nibble, lane or scale fails at once; and the exact
@@ -106,13 +107,14 @@ _PARITY = textwrap.dedent(
 )
 
 
-def test_int8_decode_parity(native_ext):
-    if "avx2i8" not in isa_variants(native_ext.isa()):
-        pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run avx2i8")
-    proc = run_under_isa(_PARITY, "avx2i8", timeout=900)
+@pytest.mark.parametrize("isa", ["avx2i8", "avx512vnnii8"])
+def test_int8_decode_parity(native_ext, isa):
+    if isa not in isa_variants(native_ext.isa()):
+        pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run {isa}")
+    proc = run_under_isa(_PARITY, isa, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     got_isa, cases, worst_int8, worst_exact = proc.stdout.split()
-    assert got_isa == kernel_set_name("avx2i8") and int(cases) > 1000
+    assert got_isa == kernel_set_name(isa) and int(cases) > 1000
     # int8 x is not exact: a kernel that matched the float product to int16 precision would not be this one.
     assert 1e-4 < float(worst_exact) < 1.2e-2 and float(worst_int8) < 2e-6
 
@@ -127,18 +129,18 @@ _REPORT = textwrap.dedent(
     off = native.int8_decode_active()
     ext.set_int8_decode(True)
     loaded = mlxinfer.load("smollm2")
-    print(on, off, native.int8_decode_active(), "decode at int8 (avx2i8" in loaded.kernels_detail)
+    print(on, off, native.int8_decode_active(), f"decode at int8 ({ext.isa().split('+')[0]}:" in loaded.kernels_detail)
     """
 )
 
 
-@pytest.mark.parametrize("isa", ["avx2i8", "avx2"])
+@pytest.mark.parametrize("isa", ["avx2i8", "avx2", "avx512vnnii8", "avx512vnni"])
 def test_the_kernel_report_says_when_decode_ran_at_int8(native_ext, smollm2_dir, isa):
-    """MLXINFER_ISA=avx2i8 rounds decode's x to int8: the kernel report (chat header, bench provenance) says so,
-    and the state is read without changing it; the default set says nothing."""
+    """MLXINFER_ISA=avx2i8 or avx512vnnii8 rounds decode's x to int8: the kernel report (chat header, bench
+    provenance) says so, and the state is read without changing it; their int16 sets say nothing."""
     if isa not in isa_variants(native_ext.isa()):
         pytest.skip(f"this CPU's kernels ({native_ext.isa()}) cannot run {isa}")
     proc = run_under_isa(_REPORT, isa, threads=None, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want = "True False True True" if isa == "avx2i8" else "False False False False"
+    want = "True False True True" if isa.endswith("i8") else "False False False False"
     assert proc.stdout.split() == want.split(), proc.stdout

@@ -1,0 +1,236 @@
+// AVX-512 VNNI int8 decode matvec for 4-bit weights (this file alone is compiled with the VNNI set's flags): the
+// opt-in "avx512vnnii8" set (MLXINFER_ISA=avx512vnnii8), llama.cpp's Q4 x Q8 accuracy class on MLX's affine format.
+//
+// Why: the int16 kernel (qmm_vnni.cpp) does 32 multiply-adds per vpdpwssd and loads one 64-byte x vector per
+// instruction; vpdpbusd multiplies 64 unsigned nibbles by 64 int8 x values, so the same work takes half the
+// dot-product instructions, half the x loads and, with 128 elements per step, half the float scalings:
+//   out[m, n] = sum_g s[n, g] * (d[m, g] * sum_k q * xq + xcorr[m, g]) + b[n, g] * xsum[m, g]
+// with x ~= d * xq, |xq| <= 127 per weight group and xcorr = 8 * (xsum - d * sum xq) (qmm_avx2i8.cpp explains the
+// centring). Accuracy is llama.cpp's: int8 x costs ~0.3-0.5% of a dot's scale, where int16 x costs ~2e-5.
+//
+// Layout: x rows are kpad (a multiple of 128) int8 values, each 128-element block as [x0, x2, ..., x126, x1, x3,
+// ..., x127]. A block's 64 weight bytes hold element 2j in byte j's low nibble and 2j + 1 in its high one, so
+// (w & 15) pairs with the first half of the block's x and (w >> 4) with the second: int32 lane l of both
+// vpdpbusd sums elements 8l..8l+7, lanes 4 per 32-group, 8 per 64-group, all 16 for a 128-group.
+// 8-bit weights keep the int16 x kernel (QmmArgs::xb is prepared for 4-bit weights only).
+#include <immintrin.h>
+
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "qmm_kernels.h"
+#include "vnni_helpers.h"
+
+namespace mlxinfer_cpu {
+namespace isa_vnni_i8 {
+
+using namespace vnni_helpers;
+
+// Scales of the groups in 128-block c, one per int32 lane (lane l: elements 8l..8l+7). sd: one x row's s * d.
+template <int GS>
+static inline __m512 block_scale(const float* sd, int c) {
+  if constexpr (GS == 32) {
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(sd + 4 * c)));
+  } else if constexpr (GS == 64) {
+    return pair_scale(sd + 2 * c);
+  } else {
+    return _mm512_set1_ps(sd[c]);
+  }
+}
+
+// R consecutive output rows n.. (R = 1 or 2: two weight rows share every x load) for MM x rows; each row's 16
+// partial sums go to out[r] + m * 256 (qmv_rows reduces them). sd: scratch of R * MM * gpad floats.
+template <int MM, int R, int GS>
+static inline void qmv_pass(const QmmArgs& a, int n, float* sd, float* const (&out)[R]) {
+  static_assert(MM * R <= 8, "accumulators: at most 8 (x row, weight row) pairs per pass");
+  constexpr int NA = MM * R <= 2 ? 2 : 1;  // independent FMA chains when there are few pairs
+  const int K = a.K, ng = K / GS, gp = a.gpad;
+  const size_t row_bytes = (size_t)K / 2;
+  __m512 acc[NA][R][MM];
+  for (int i = 0; i < NA; ++i)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MM; ++m) acc[i][r][m] = _mm512_setzero_ps();
+  // sd = s * d per group (zero past ng: masked scales, zeroed xd); the bias and centring terms go into acc[0].
+  for (int g = 0; g < ng; g += 16) {
+    for (int r = 0; r < R; ++r) {
+      const size_t off = (size_t)(n + r) * ng + g;
+      const __m512 sv = load_scales(a.scales, a.stype, off, ng - g), bv = load_scales(a.biases, a.stype, off, ng - g);
+      for (int m = 0; m < MM; ++m) {
+        const size_t xo = (size_t)m * gp + g;
+        _mm512_store_ps(sd + (r * MM + m) * gp + g, _mm512_mul_ps(sv, _mm512_loadu_ps(a.xd + xo)));
+        acc[0][r][m] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(a.xsum + xo), acc[0][r][m]);
+        acc[0][r][m] = _mm512_fmadd_ps(sv, _mm512_loadu_ps(a.xcorr + xo), acc[0][r][m]);
+      }
+    }
+  }
+  const uint8_t* w0 = a.w + (size_t)n * row_bytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int full = K / 128;
+  const int tail_bytes = (K % 128) / 2;  // 16, 32 or 48 weight bytes in a last partial block
+  auto block = [&](auto ic, int c, bool tail) {
+    constexpr int i = decltype(ic)::value;
+    __m512i lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = w0 + r * row_bytes + (size_t)c * 64;
+      // Weights stream from DRAM once per token: one prefetch per cache line, kPrefetch bytes ahead.
+      if (!tail) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
+      const __m512i v =
+          tail ? _mm512_maskz_loadu_epi8((__mmask64)((1ull << tail_bytes) - 1), p) : _mm512_loadu_si512(p);
+      lo[r] = _mm512_and_si512(v, low4);
+      hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* x = a.xb + (size_t)m * a.kpad + (size_t)c * 128;
+      const __m512i xl = _mm512_loadu_si512(x), xh = _mm512_loadu_si512(x + 64);
+      for (int r = 0; r < R; ++r) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xl), hi[r], xh);
+        const __m512 s = block_scale<GS>(sd + (r * MM + m) * gp, c);
+        acc[i][r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[i][r][m]);
+      }
+    }
+  };
+  using I0 = std::integral_constant<int, 0>;
+  int c = 0;
+  for (; c + NA <= full; c += NA) {
+    block(I0{}, c, false);
+    if constexpr (NA == 2) block(std::integral_constant<int, 1>{}, c + 1, false);
+  }
+  for (; c < full; ++c) block(I0{}, c, false);
+  if (tail_bytes) block(I0{}, full, true);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) {
+      __m512 v = acc[0][r][m];
+      if constexpr (NA == 2) v = _mm512_add_ps(v, acc[NA - 1][r][m]);
+      _mm512_store_ps(out[r] + m * 256, v);
+    }
+}
+
+// QmmArgs past its first `skip` x rows.
+static inline QmmArgs rows_from(const QmmArgs& a, int skip) {
+  QmmArgs b = a;
+  b.xb = a.xb + (size_t)skip * a.kpad;
+  b.xd = a.xd + (size_t)skip * a.gpad;
+  b.xsum = a.xsum + (size_t)skip * a.gpad;
+  b.xcorr = a.xcorr + (size_t)skip * a.gpad;
+  return b;
+}
+
+// Output rows in blocks of 16, reduced by sum16 as in qmm_vnni.cpp's qmv_rows: [m][row][16] partial sums. Two
+// weight rows per pass where qmm_vnni.cpp pairs them (from 4 x rows, or rows of at most 512 bytes), in passes of
+// at most 4 x rows.
+template <int MM, int GS>
+static void qmv_rows(const QmmArgs& a, int n0, int n1) {
+  thread_local std::vector<float> store;
+  const size_t sd_len = ((size_t)8 * a.gpad + 15) / 16 * 16;  // R * (x rows per pass) <= 8
+  store.resize(sd_len + (size_t)MM * 256 + 16);
+  float* sd = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(store.data()) + 63) & ~uintptr_t(63));
+  float* rows = sd + sd_len;
+  const bool short_rows = (size_t)a.K / 2 <= 512;
+  const bool pairs = MM >= 4 || (short_rows && (MM >= 2 || short_row_pairs()));
+  constexpr int P = MM < 4 ? MM : 4;  // x rows in the first pass of a pair
+  const QmmArgs rest = rows_from(a, P);
+  for (int nb = n0; nb < n1; nb += 16) {
+    const int cnt = n1 - nb < 16 ? n1 - nb : 16;
+    int j = 0;
+    if (pairs)
+      for (; j + 1 < cnt; j += 2) {
+        float* const o[2] = {rows + 16 * j, rows + 16 * (j + 1)};
+        qmv_pass<P, 2, GS>(a, nb + j, sd, o);
+        if constexpr (MM > P) {
+          float* const o2[2] = {o[0] + P * 256, o[1] + P * 256};
+          qmv_pass<MM - P, 2, GS>(rest, nb + j, sd, o2);
+        }
+      }
+    for (; j < cnt; ++j) {
+      float* const o[1] = {rows + 16 * j};
+      qmv_pass<MM, 1, GS>(a, nb + j, sd, o);
+    }
+    const __mmask16 k = (__mmask16)((1u << cnt) - 1);
+    for (int m = 0; m < MM; ++m) _mm512_mask_storeu_ps(a.out + (size_t)m * a.N + nb, k, sum16(rows + m * 256));
+  }
+}
+
+template <int MM>
+static void qmv_group(const QmmArgs& a, int n0, int n1) {
+  switch (a.group_size) {
+    case 32: return qmv_rows<MM, 32>(a, n0, n1);
+    case 64: return qmv_rows<MM, 64>(a, n0, n1);
+    default: return qmv_rows<MM, 128>(a, n0, n1);
+  }
+}
+
+// 8-bit weights, or int8 x turned off (set_int8_decode): the int16 x kernel of qmm_vnni.cpp.
+static QmvFn int16_qmv = nullptr;
+
+static void qmv(const QmmArgs& a, int n0, int n1) {
+  if (a.bits != 4 || a.xb == nullptr) return int16_qmv(a, n0, n1);
+  switch (a.M) {
+    case 1: return qmv_group<1>(a, n0, n1);
+    case 2: return qmv_group<2>(a, n0, n1);
+    case 3: return qmv_group<3>(a, n0, n1);
+    case 4: return qmv_group<4>(a, n0, n1);
+    case 5: return qmv_group<5>(a, n0, n1);
+    case 6: return qmv_group<6>(a, n0, n1);
+    case 7: return qmv_group<7>(a, n0, n1);
+    default: return qmv_group<8>(a, n0, n1);
+  }
+}
+
+// x rounded to int8 per weight group (d = max|x| / 127, round to nearest even, as qmm_avx2i8.cpp's prep_x8) in
+// the 128-block layout above; the caller zeroes the buffers and sizes xb (M, kpad) with kpad a multiple of 128.
+static void prep_x8(const float* x, int M, int K, int gs, int kpad, int gpad, int8_t* xb, float* xd, float* xcorr,
+                    float* xsum) {
+  const int ng = K / gs;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int m = 0; m < M; ++m) {
+    const float* xr = x + (size_t)m * K;
+    int8_t* dst = xb + (size_t)m * kpad;
+    for (int g = 0; g < ng; ++g) {
+      const float* xg = xr + (size_t)g * gs;
+      __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+      for (int v = 0; v < gs; v += 16) {
+        const __m512 xv = _mm512_loadu_ps(xg + v);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(xv));
+        vsum = _mm512_add_ps(vsum, xv);
+      }
+      const float amax = _mm512_reduce_max_ps(vmax);
+      const size_t o = (size_t)m * gpad + g;
+      xsum[o] = _mm512_reduce_add_ps(vsum);
+      if (!(amax > 0.f) || !std::isfinite(amax)) {  // all zero: nothing to add; inf/nan: let d carry it
+        xd[o] = amax > 0.f ? amax : 0.f;
+        continue;  // xq stays zero
+      }
+      const __m512 inv = _mm512_set1_ps(127.f / amax);
+      __m512i isum = _mm512_setzero_si512();
+      for (int e = g * gs; e < (g + 1) * gs; e += 32) {
+        const __m512 a = _mm512_loadu_ps(xr + e), b = _mm512_loadu_ps(xr + e + 16);
+        const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, even, b), inv));
+        const __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, odd, b), inv));
+        isum = _mm512_add_epi32(isum, _mm512_add_epi32(qe, qo));
+        int8_t* blk = dst + (size_t)(e / 128) * 128 + (e % 128) / 2;  // this 32-chunk's 16 evens, then its 16 odds
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(blk), _mm512_cvtsepi32_epi8(qe));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 64), _mm512_cvtsepi32_epi8(qo));
+      }
+      xd[o] = amax / 127.f;
+      xcorr[o] = 8.f * (xsum[o] - xd[o] * static_cast<float>(_mm512_reduce_add_epi32(isum)));
+    }
+  }
+}
+
+}  // namespace isa_vnni_i8
+
+KernelSet avx512vnnii8_kernels() {
+  KernelSet ks = avx512vnni_kernels();  // 8-bit decode (int16 x), prefill and attention stay the VNNI set's
+  isa_vnni_i8::int16_qmv = ks.qmv;
+  ks.isa = "avx512vnnii8";
+  ks.qmv = isa_vnni_i8::qmv;
+  ks.int8_x = true;
+  ks.prep_x8 = isa_vnni_i8::prep_x8;
+  ks.int8_kpad = 128;
+  return ks;
+}
+
+}  // namespace mlxinfer_cpu
