@@ -165,8 +165,8 @@ static void qmv(const QmmArgs& a, int n0, int n1) {
 }
 
 // x rounded to int8 per weight group in the layout QmmArgs::xb describes (the caller zeroes the buffers).
-static void prep_x8(const float* x, int M, int K, int gs, int kpad, int gpad, int8_t* xb, float* xd, float* xcorr,
-                    float* xsum) {
+static void prep_x8(const float* x, int M, int K, int gs, int /*bits: 4, int8_x8 is off*/, int kpad, int gpad,
+                    int8_t* xb, float* xd, float* xcorr, float* xsum) {
   thread_local std::vector<int8_t> tmp;
   tmp.assign(kpad, 0);
   const int ng = K / gs, nv = gs / 8;

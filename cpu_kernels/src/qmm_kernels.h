@@ -35,8 +35,8 @@ struct QmmArgs {
   const float* xd;
   const float* xcorr;
   int kpad, gpad;
-  // KernelSet::int8_x kernels (4-bit weights only): x rounded to int8 per weight group, (M, kpad) in the 4-bit
-  // xq order above, with xd/xcorr/xsum as above (off = 8).
+  // KernelSet::int8_x kernels: x rounded to int8 per weight group, (M, kpad) in the set's order (avx2i8: the 4-bit
+  // xq order above; avx512vnnii8: qmm_vnni_i8.cpp), with xd/xcorr/xsum as above.
   const int8_t* xb = nullptr;
 };
 
@@ -90,9 +90,11 @@ struct KernelSet {
   // the caller (kpad, gpad) and zeroed.
   void (*prep_x16)(const float* x, int M, int K, int group_size, int bits, int kpad, int gpad, int16_t* xq,
                    float* xd, float* xcorr, float* xsum) = nullptr;
-  // Sets whose qmv reads int8 x (QmmArgs::xb) for 4-bit weights; 8-bit ones still get prep_x16's int16 x.
+  // Sets whose qmv reads int8 x (QmmArgs::xb) for 4-bit weights, and with int8_x8 for 8-bit ones too (else those
+  // get prep_x16's int16 x). prep_x8 prepares x for weights of `bits` (the layout and centring term differ).
   bool int8_x = false;
-  void (*prep_x8)(const float* x, int M, int K, int group_size, int kpad, int gpad, int8_t* xb, float* xd,
+  bool int8_x8 = false;
+  void (*prep_x8)(const float* x, int M, int K, int group_size, int bits, int kpad, int gpad, int8_t* xb, float* xd,
                   float* xcorr, float* xsum) = nullptr;
   int int8_kpad = 64;  // xb rows are padded to a multiple of this (the set's int8 layout: 64 or 128 per block)
   // Int8 prefill (M > 8, 4-bit weights) when set, and its x preparation into XInt8's buffers.

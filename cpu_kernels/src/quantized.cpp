@@ -142,11 +142,12 @@ void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_
                       });
 }
 
-// 4-bit weights only (KernelSet::int8_x).
-void prep_int8_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, std::vector<QmmArgs>& args) {
+// 4-bit weights (KernelSet::int8_x), 8-bit ones where the set has int8_x8.
+void prep_int8_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, int bits,
+                 std::vector<QmmArgs>& args) {
   prep_int_x<int8_t>(M, K, group_size, ks.int8_kpad, args, &QmmArgs::xb,
                      [&](int kpad, int gpad, int8_t* q, float* d, float* c, float* sum) {
-                       ks.prep_x8(xf, M, K, group_size, kpad, gpad, q, d, c, sum);
+                       ks.prep_x8(xf, M, K, group_size, bits, kpad, gpad, q, d, c, sum);
                      });
 }
 
@@ -303,8 +304,8 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
   // Read once: the branch below and the GEMM it picks must agree even if set_int8_prefill runs meanwhile.
   const bool i8 = bits == 4 && ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed);
 
-  if (M <= 8 && ks.int8_x && bits == 4 && int8_decode.load(std::memory_order_relaxed)) {
-    prep_int8_x(ks, xf, M, K, group_size, args);
+  if (M <= 8 && ks.int8_x && (bits == 4 || ks.int8_x8) && int8_decode.load(std::memory_order_relaxed)) {
+    prep_int8_x(ks, xf, M, K, group_size, bits, args);
   } else if (M <= 8 && ks.int16_x) {
     prep_int16_x(ks, xf, M, K, group_size, bits, args);
   } else if (M <= 8) {

@@ -25,6 +25,7 @@ _PARITY = textwrap.dedent(
     ext = native.extension()
     print(ext.isa())
     mx.random.seed(11)
+    int8_bits = (4, 8) if ext.isa().startswith("avx512vnnii8") else (4,)  # avx2i8: 8-bit weights keep int16 x
 
     def unpack(q, bits):
         words = np.array(q).astype(np.uint64)
@@ -32,7 +33,7 @@ _PARITY = textwrap.dedent(
         shifts = (np.arange(e, dtype=np.uint64) * bits)[None, None, :]
         return ((words[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1).astype(np.float64)
 
-    def int8_reference(x, q, s, b, gs):
+    def int8_reference(x, q, s, b, gs, bits=4):
         # The kernel's rounding: d = max|x| / 127 per group (float32), xq = rint(x * (127 / max|x|)) in float32.
         xf = np.array(x.astype(mx.float32))
         M, K = xf.shape
@@ -41,42 +42,45 @@ _PARITY = textwrap.dedent(
         safe = np.where(amax > 0, amax, np.float32(1))
         xq = np.where(amax > 0, np.rint(xg * (np.float32(127) / safe)), 0).astype(np.float64)
         d = (amax / np.float32(127)).astype(np.float64)
-        qi = unpack(q, 4).reshape(q.shape[0], K // gs, gs)
+        qi = unpack(q, bits).reshape(q.shape[0], K // gs, gs)
         sd = np.array(s.astype(mx.float32)).astype(np.float64)
         bd = np.array(b.astype(mx.float32)).astype(np.float64)
-        # The centring term 8 * (sum x - d * sum xq) per group is exact: only x's rounding against q - 8 remains.
+        # The centring term off * (sum x - d * sum xq) per group is exact: only x's rounding against q - off
+        # remains (off = 8 for 4-bit, 128 for 8-bit weights).
         xs = xg.astype(np.float64).sum(-1)
-        corr = 8 * (xs - d[..., 0] * xq.sum(-1))
+        corr = (8 if bits == 4 else 128) * (xs - d[..., 0] * xq.sum(-1))
         dots = np.einsum("mgk,ngk->mng", xq, qi) * d[:, None, :, 0] + corr[:, None, :]
         return (dots * sd[None]).sum(-1) + xs @ bd.T
 
     worst_exact = worst_int8 = 0.0
     cases = 0
-    for gs in (32, 64, 128):
+    for bits, gs in [(bits, gs) for bits in int8_bits for gs in (32, 64, 128)]:
         # K % 64 == 32 only exists for 32-groups; 576 is SmolLM2's width.
         for K in sorted({gs, 3 * gs, 5 * gs, 576 if 576 % gs == 0 else 7 * gs, 1056 if gs == 32 else 9 * gs}):
             for N in (1, 5, 77, 130):
                 for sdt in (mx.float32, mx.float16, mx.bfloat16):
                     w = mx.random.normal((N, K))
-                    q, s, b = mx.quantize(w, group_size=gs, bits=4)
+                    q, s, b = mx.quantize(w, group_size=gs, bits=bits)
                     s, b = s.astype(sdt), b.astype(sdt)
-                    wd = np.array(mx.dequantize(q, s, b, group_size=gs, bits=4).astype(mx.float32)).astype(np.float64)
+                    wd = mx.dequantize(q, s, b, group_size=gs, bits=bits).astype(mx.float32)
+                    wd = np.array(wd).astype(np.float64)
                     for M in range(1, 9):
                         x = mx.random.normal((M, K)) * 3.0
                         if M == 3 and K > gs:
                             x[:, :gs] = 0.0  # an all-zero group
-                        out = np.array(ext.quantized_matmul(x, q, s, b, group_size=gs, bits=4).astype(mx.float32))
+                        out = np.array(ext.quantized_matmul(x, q, s, b, group_size=gs, bits=bits).astype(mx.float32))
                         xd = np.array(x).astype(np.float64)
                         truth = xd @ wd.T
                         # Relative to sum |x| |w| (a lone short dot may cancel to near zero).
                         scale = (np.abs(xd) @ np.abs(wd).T).max()
-                        e8 = np.abs(out - int8_reference(x, q, s, b, gs)).max() / scale
+                        e8 = np.abs(out - int8_reference(x, q, s, b, gs, bits)).max() / scale
                         ex = np.abs(out - truth).max() / scale
                         worst_int8, worst_exact = max(worst_int8, e8), max(worst_exact, ex)
                         cases += 1
                         if e8 > 2e-6 or ex > 1.2e-2:
-                            sys.exit(f"gs={gs} K={K} N={N} M={M} scales={sdt} int8-ref err={e8} exact err={ex}")
-    # float16 / bfloat16 x and output; 8-bit weights (the int16 x kernel) next to 4-bit ones in one run.
+                            sys.exit(f"bits={bits} gs={gs} K={K} N={N} M={M} scales={sdt} int8-ref err={e8} "
+                                     f"exact err={ex}")
+    # float16 / bfloat16 x and output; on avx2i8 8-bit weights (the int16 x kernel) next to 4-bit ones in one run.
     q, s, b = mx.quantize(mx.random.normal((40, 320)), group_size=32, bits=4)
     for xdt in (mx.float16, mx.bfloat16):
         x = mx.random.normal((4, 320)).astype(xdt)
@@ -84,7 +88,7 @@ _PARITY = textwrap.dedent(
         ref = int8_reference(x, q, s, b, 32)
         if np.abs(out - ref).max() / np.abs(ref).max() > 1e-2:
             sys.exit(f"x {xdt} mismatch")
-    for gs in (32, 64, 128):
+    for gs in (32, 64, 128) if 8 not in int8_bits else ():
         q, s, b = mx.quantize(mx.random.normal((33, 384)), group_size=gs, bits=8)
         for M in (1, 5, 8):
             x = mx.random.normal((M, 384))
