@@ -13,6 +13,11 @@ from . import options as o
 from .chat import Pipeline
 
 
+def _warn(line: str) -> None:
+    """The engine's warnings (an error it recovered from), one line on stderr beside uvicorn's log."""
+    print(f"mlxinfer serve: warning: {line}", file=sys.stderr, flush=True)
+
+
 def serve_cmd(
     model: o.Model = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback needs "
@@ -97,7 +102,7 @@ def serve_cmd(
     opts = ServeOptions(api_key=api_key, max_body=max_body, parallel=parallel, queue_size=queue_size,
                         timeout=timeout or None, prefix_cache_bytes=prefix_cache_mb << 20,
                         prefill_chunk=prefill_chunk, batch_from=batch_from, flags=flags,
-                        allow_origins=list(allow_origin or []),
+                        allow_origins=list(allow_origin or []), on_warning=_warn,
                         **({"engine_class": LeaderEngine} if world is not None else {}))
     shown = f"[{host}]" if ":" in host else host
     print(f"mlxinfer serve: {loaded.name} ({loaded.kernels}) on http://{shown}:{port}/v1 — parallel {parallel}, "

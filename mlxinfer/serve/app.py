@@ -14,7 +14,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -42,6 +42,7 @@ class ServeOptions:
     allow_origins: list[str] = field(default_factory=list)  # CORS: web pages that may call the API from a browser
     flags: dict[str, Any] = field(default_factory=dict)  # sampling values from the command line (highest rank)
     engine_class: type = Engine  # under mlx.launch: distributed.serve.LeaderEngine (broadcasts its decisions)
+    on_warning: Callable[[str], None] | None = None  # the engine's one-line warnings (the CLI prints them)
 
 
 class Api:
@@ -51,7 +52,7 @@ class Api:
         self.engine = opts.engine_class(loaded, self.metrics, parallel=opts.parallel, queue_size=opts.queue_size,
                                             prefix_cache_bytes=opts.prefix_cache_bytes,
                                             prefill_chunk=opts.prefill_chunk, timeout=opts.timeout,
-                                            batch_from=opts.batch_from)
+                                            batch_from=opts.batch_from, on_warning=opts.on_warning)
         spec = loaded.spec
         self.model_id = loaded.name
         self.names = {n for n in (loaded.name, spec.name, spec.alias, spec.repo) if n}

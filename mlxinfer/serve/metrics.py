@@ -37,6 +37,9 @@ class Metrics:
         self.prefix_bytes = Gauge("mlxinfer_prefix_cache_bytes", "Bytes held by the prefix cache.", registry=r)
         self.prefix_lookups = Counter("mlxinfer_prefix_cache_lookups", "Prefix-cache lookups (one per request).",
                                       registry=r)
+        self.engine_errors = Counter("mlxinfer_engine_errors", "Errors the engine recovered from without failing a "
+                                     "request, by stage (shared_start: the shared-start prefill, skipped).",
+                                     ["stage"], registry=r)
         self.prefix_hits = Counter("mlxinfer_prefix_cache_hits", "Lookups that reused a stored prefix.", registry=r)
         self.prefix_tokens = Counter("mlxinfer_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix "
                                      "cache instead of being prefilled.", registry=r)

@@ -54,9 +54,12 @@ class _Step:
 class Engine:
     def __init__(self, loaded, metrics, *, parallel: int = 8, queue_size: int = 32, prefix_cache_bytes: int = 0,
                  prefill_chunk: int = 256, timeout: float | None = None, batch_from: int = 2,
-                 on_step: Callable[[int, float], None] | None = None):
+                 on_step: Callable[[int, float], None] | None = None,
+                 on_warning: Callable[[str], None] | None = None):
         self.loaded, self.model, self.metrics = loaded, loaded.model, metrics
         self.on_step = on_step  # (rows, perf_counter) after each decode step is read back: bench's clock
+        self.on_warning = on_warning  # one line for the operator, the first time a recovered error of a kind occurs
+        self._warned: set[str] = set()
         self.parallel, self.queue_size, self.prefill_chunk, self.timeout = parallel, queue_size, prefill_chunk, timeout
         self.batch_from = max(1, batch_from)
         self.prefix = PrefixCache(prefix_cache_bytes)
@@ -130,8 +133,9 @@ class Engine:
                 t.push(("error", ApiError(503, "the request timed out in the queue", code="timeout")))
             try:
                 self._prefill_shared_start(new)
-            except Exception:  # noqa: BLE001 - an optimisation only: each request then prefills all its prompt
-                pass
+            except Exception as e:  # noqa: BLE001 - an optimisation only: each request then prefills all its prompt
+                self._recovered("shared_start", f"the shared-start prefill failed ({type(e).__name__}: {e}); "
+                                "requests admitted together prefill their whole prompts")
             for t in new:
                 try:
                     self._admit(t)
@@ -155,6 +159,13 @@ class Engine:
                 if not t.cancelled:
                     out.append(t)
         return out
+
+    def _recovered(self, stage: str, line: str) -> None:
+        """An error the engine went on from: counted in /metrics, and told through on_warning once per stage."""
+        self.metrics.engine_errors.labels(stage=stage).inc()
+        if self.on_warning is not None and stage not in self._warned:
+            self._warned.add(stage)
+            self.on_warning(line)
 
     def _prefill_shared_start(self, tickets: list[Ticket]) -> None:
         """A start shared by prompts admitted together, prefilled once into the prefix cache (``sequence.

@@ -170,6 +170,32 @@ def test_a_cold_burst_sharing_a_start_prefills_it_once(loaded):
     assert out == [_alone(loaded, t, 8) for t in texts]
 
 
+def test_a_failing_shared_start_prefill_is_skipped_counted_and_told_once(loaded, monkeypatch):
+    """The shared-start prefill is an optimisation: when it raises, the burst prefills every prompt whole (one
+    batched forward), the replies are unchanged, /metrics counts the error under its stage, and the operator gets
+    one warning line for it, however often it recurs."""
+    from mlxinfer.serve import scheduler
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory in the shared start")
+
+    monkeypatch.setattr(scheduler, "prefill_shared_start", broken)
+    shared = ("You are a concise assistant. Answer every question in one short line, without any preamble or "
+              "apology. Question:")
+    texts = [f"{shared} {p}" for p in PROMPTS]
+    warnings: list = []
+    out, log, engine = _run(loaded, texts, 8, parallel=8, prefix_cache_bytes=64 << 20, on_warning=warnings.append)
+    calls = [shape for kind, shape in log if kind == "call"]
+    longest = max(len(encode_prompt(loaded, t)) for t in texts)
+    assert calls[0] == (len(texts), longest - 1)  # no shared-start forward: every prompt whole, at once
+    assert out == [_alone(loaded, t, 8) for t in texts]
+    assert engine.metrics.engine_errors.labels(stage="shared_start")._value.get() == 1
+    assert warnings == ["the shared-start prefill failed (RuntimeError: out of memory in the shared start); "
+                        "requests admitted together prefill their whole prompts"]
+    engine._recovered("shared_start", "again")  # a second failure: counted, not told again
+    assert engine.metrics.engine_errors.labels(stage="shared_start")._value.get() == 2 and len(warnings) == 1
+
+
 def test_shared_start_takes_the_largest_group_and_leaves_each_prompt_a_token():
     from mlxinfer.serve.prefix_cache import shared_start
 
