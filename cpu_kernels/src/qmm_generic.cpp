@@ -84,6 +84,10 @@ const KernelSet& select_kernels() {
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     const bool vnni = has512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
     if (want == "generic") return generic_kernels();
+    if (want.empty() && int8_decode_requested()) {  // llama.cpp's accuracy class for decode, on this CPU's best set
+      if (vnni) return with_integer_prefill(avx512vnnii8_kernels());
+      if (has2) return with_integer_prefill(avx2i8_kernels());
+    }
     if (want == "avx2float" && has2) {  // AVX2 with the float32 decode kernel (the int16 one's predecessor)
       KernelSet ks = avx2_kernels();
       ks.isa = "avx2float";

@@ -130,6 +130,9 @@ enum class PrefillMode { dflt, int8, int16, float32 };
 PrefillMode prefill_mode();
 // prefill_mode() == int8 (quantized.cpp's int8 switch starts there).
 bool int8_prefill_requested();
+// MLXINFER_DECODE=int8 (quantized.cpp): select_kernels() then picks the CPU's int8 decode set (avx512vnnii8 on
+// AVX-512 VNNI, else avx2i8) unless MLXINFER_ISA forces one; any other value keeps the precise default.
+bool int8_decode_requested();
 // The integer prefill's micro-kernels on AVX-512 VNNI (qmm_vnni.cpp): tile[kI8RowBlock][16] = 4 x rows times one
 // 16-column panel over one k-block, the layouts and arithmetic of qmm_avx2i8gemm.cpp's micro (which documents them).
 // int8 x: one vpdpbusd per 4 k of 16 columns; its integer sums and float steps are the AVX2 kernel's, so are its

@@ -268,6 +268,11 @@ PrefillMode prefill_mode() {
 
 bool int8_prefill_requested() { return prefill_mode() == PrefillMode::int8; }
 
+bool int8_decode_requested() {
+  const char* env = std::getenv("MLXINFER_DECODE");
+  return env && std::strcmp(env, "int8") == 0;
+}
+
 bool set_int8_prefill(bool on) { return int8_prefill.exchange(on, std::memory_order_relaxed); }
 
 void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {

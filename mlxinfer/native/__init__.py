@@ -21,8 +21,10 @@ sets x rounded to int16 per 32-element block by default (~1e-5 of an output's sc
 VNNI, 1.1-1.3x with AVX2's vpmaddwd; ``MLXINFER_PREFILL=int16`` picks it over AMX); ``MLXINFER_PREFILL=int8`` rounds
 it to int8 on the AVX2 integer and VNNI sets (llama.cpp's Q8_0 grade: faster, but it flips near-tied greedy tokens,
 e.g. the bundled model's answer to "What is the capital of France?"; the set's name then ends in ``+int8-prefill``);
-``MLXINFER_PREFILL=float`` keeps the float32 tiles.
-``prefill_problem()`` is the one line for any other value, which the kernels ignore.
+``MLXINFER_PREFILL=float`` keeps the float32 tiles. ``MLXINFER_DECODE=int8`` rounds decode's x to int8 as well, on
+the CPU's int8 set (``avx512vnnii8`` with AVX-512 VNNI: 4- and 8-bit weights; else ``avx2i8``: 4-bit): llama.cpp's
+accuracy class, faster for batches of sequences (``mlxinfer serve``), not for one stream.
+``prefill_problem()`` and ``decode_problem()`` are the one line for any other value, which the kernels ignore.
 """
 
 from __future__ import annotations
@@ -165,9 +167,32 @@ def prefill_problem() -> Optional[str]:
             f"MLXINFER_PREFILL={', '.join(PREFILL_MODES[:-1])} or {PREFILL_MODES[-1]}, or unset it")
 
 
-# The kernel sets whose decode matvecs round x to int8 (MLXINFER_ISA=avx2i8 or avx512vnnii8), and the set each
-# one is, x at int16, otherwise.
+# The kernel sets whose decode matvecs round x to int8 (MLXINFER_DECODE=int8 picks the CPU's; MLXINFER_ISA=avx2i8
+# or avx512vnnii8 forces one), and the set each one is, x at int16, otherwise.
 INT8_DECODE_SETS = {"avx2i8": "avx2", "avx512vnnii8": "avx512vnni"}
+# MLXINFER_DECODE, as select_kernels() (qmm_generic.cpp) reads it: int8, or the default int16
+DECODE_MODES = ("int8", "int16")
+
+
+def decode_problem() -> Optional[str]:
+    """One line when MLXINFER_DECODE holds a value the kernels do not know, or asks for int8 where the kernel set
+    in use has no int8 decode (MLXINFER_ISA forced another, or the CPU lacks AVX2); else None."""
+    value = os.environ.get("MLXINFER_DECODE", "")
+    if value == "" or value == "int16":
+        return None
+    if value != "int8":
+        return (f"MLXINFER_DECODE={value!r} is not a decode mode and is ignored (decode keeps int16 x); set "
+                "MLXINFER_DECODE=int8 or int16, or unset it")
+    module = _load()
+    if module is not None and _base_isa(module) not in INT8_DECODE_SETS:
+        return (f"MLXINFER_DECODE=int8 has no effect: the kernel set {_base_isa(module)} has no int8 decode "
+                "(MLXINFER_ISA chose it, or the CPU has no AVX2)")
+    return None
+
+
+def settings_problem() -> Optional[str]:
+    """prefill_problem() and decode_problem() as one line, None when both settings are fine."""
+    return "; ".join(line for line in (prefill_problem(), decode_problem()) if line) or None
 
 
 def _switch_on(setter: Callable[[bool], bool]) -> bool:
@@ -207,12 +232,12 @@ def report_notes() -> list:
     notes = []
     if module is not None and int8_decode_active(module):
         isa = _base_isa(module)
-        notes.append(f"decode at int8 ({isa}: the 4-bit matvecs' x rounded per group, llama.cpp's grade; "
-                     f"MLXINFER_ISA={INT8_DECODE_SETS[isa]} for int16)")
+        notes.append(f"decode at int8 ({isa}: the matvecs' x rounded per group, llama.cpp's grade; unset "
+                     f"MLXINFER_DECODE / MLXINFER_ISA for int16)")
     if module is not None and int8_prefill_active(module):
         notes.append(f"prefill at int8 ({_base_isa(module)}: the 4-bit layers' x rounded per 32-block, "
                      "llama.cpp's Q8_0 grade; unset MLXINFER_PREFILL for the precise path)")
-    line = prefill_problem()
+    line = settings_problem()
     if line:
         notes.append(f"warning: {line}")
     return notes

@@ -83,14 +83,14 @@ _WARNED: set[str] = set()
 def warn_native_kernels(loaded, kernels: str = "auto", console: Console | None = None) -> None:
     """One line (once per process) when the CPU native kernels are off although nobody asked for that, e.g. a build
     for another MLX version: decode then runs several times slower, which must not go unnoticed. Also one for an
-    MLXINFER_PREFILL value they ignore."""
+    MLXINFER_PREFILL or MLXINFER_DECODE value they ignore."""
     from ..kernels.patch import resolve_mode
 
     if loaded.backend != "cpu" or resolve_mode(kernels) == "builtin":
         return
-    from ..native import prefill_problem, problem
+    from ..native import problem, settings_problem
 
-    line = problem() if loaded.kernels == "builtin" else prefill_problem() if loaded.kernels == "cpu-native" else None
+    line = problem() if loaded.kernels == "builtin" else settings_problem() if loaded.kernels == "cpu-native" else None
     if line and line not in _WARNED:
         _WARNED.add(line)
         (console or stderr_console()).print(f"warning: {line}", style="yellow", markup=False, soft_wrap=True)

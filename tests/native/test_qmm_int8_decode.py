@@ -9,6 +9,7 @@ dot; the largest error over all cases, relative to the largest sum |x| |w|, meas
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -148,3 +149,31 @@ def test_the_kernel_report_says_when_decode_ran_at_int8(native_ext, smollm2_dir,
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = "True False True True" if isa.endswith("i8") else "False False False False"
     assert proc.stdout.split() == want.split(), proc.stdout
+
+
+_SETTING = "from mlxinfer import native; print(native.extension().isa(), '|', native.decode_problem())"
+
+
+@pytest.mark.parametrize("value,forced", [("int8", None), ("int16", None), ("Int8", None), ("int8", "avx2")])
+def test_mlxinfer_decode_int8_picks_the_cpus_int8_set(native_ext, value, forced):
+    """MLXINFER_DECODE=int8 (the user's switch, unlike MLXINFER_ISA's forced variants) gives the CPU's int8 decode
+    set: avx512vnnii8 with VNNI, else avx2i8. int16 is the default; any other value, or int8 where MLXINFER_ISA
+    forces a set without int8 decode, changes nothing and is named in one line."""
+    variants = isa_variants(native_ext.isa())
+    int8_set = next((s for s in ("avx512vnnii8", "avx2i8") if s in variants), None)
+    if int8_set is None or (forced and forced not in variants):
+        pytest.skip(f"this CPU's kernels ({native_ext.isa()}) have no int8 decode set")
+    env = {**os.environ, "MLXINFER_DECODE": value}
+    env.pop("MLXINFER_PREFILL", None)
+    proc = run_under_isa(_SETTING, forced, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, problem = [part.strip() for part in proc.stdout.split("|")]
+    best = native_ext.isa().split("+")[0]  # this process' set (the child has no MLXINFER_PREFILL: AMX if any)
+    if value == "int8" and forced is None:
+        assert (got, problem) == (int8_set, "None")
+    elif value == "int16":
+        assert got in (best, "avx512amx") and problem == "None"
+    elif value == "Int8":
+        assert problem.startswith("MLXINFER_DECODE='Int8' is not a decode mode and is ignored")
+    else:
+        assert got == forced and problem.startswith("MLXINFER_DECODE=int8 has no effect: the kernel set avx2 ")
