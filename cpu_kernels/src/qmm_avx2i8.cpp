@@ -19,6 +19,7 @@
 
 #include "avx2_helpers.h"
 #include "qmm_kernels.h"
+#include "qmv_dispatch.h"
 
 namespace mlxinfer_cpu {
 namespace isa_avx2i8 {
@@ -138,30 +139,17 @@ static void qmv_rows(const QmmArgs& a, int n0, int n1) {
   for (; n < n1; ++n) qmv_block<MM, 1, CPG>(a, n, sd, sbuf, bbuf);
 }
 
-template <int MM>
-static void qmv_group(const QmmArgs& a, int n0, int n1) {
-  switch (a.group_size) {
-    case 32: return qmv_rows<MM, 1>(a, n0, n1);
-    case 64: return qmv_rows<MM, 2>(a, n0, n1);
-    default: return qmv_rows<MM, 4>(a, n0, n1);
-  }
-}
+struct Rows {  // 4-bit only; the kernels count 32-element chunks per group (CPG)
+  template <int MM, int BITS, int GS>
+  static void run(const QmmArgs& a, int n0, int n1) { qmv_rows<MM, GS / 32>(a, n0, n1); }
+};
 
 // 8-bit weights, or int8 x turned off (set_int8_decode): qmm_avx2int.cpp's kernel on the int16 x prepared then.
 static QmvFn int16_qmv = nullptr;
 
 static void qmv(const QmmArgs& a, int n0, int n1) {
   if (a.bits != 4 || a.xb == nullptr) return int16_qmv(a, n0, n1);
-  switch (a.M) {
-    case 1: return qmv_group<1>(a, n0, n1);
-    case 2: return qmv_group<2>(a, n0, n1);
-    case 3: return qmv_group<3>(a, n0, n1);
-    case 4: return qmv_group<4>(a, n0, n1);
-    case 5: return qmv_group<5>(a, n0, n1);
-    case 6: return qmv_group<6>(a, n0, n1);
-    case 7: return qmv_group<7>(a, n0, n1);
-    default: return qmv_group<8>(a, n0, n1);
-  }
+  dispatch_qmv<Rows, 4>(a, n0, n1);
 }
 
 // x rounded to int8 per weight group in the layout QmmArgs::xb describes (the caller zeroes the buffers).

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "qmm_kernels.h"
+#include "qmv_dispatch.h"
 #include "vnni_helpers.h"
 
 namespace mlxinfer_cpu {
@@ -167,36 +168,18 @@ static void qmv_rows(const QmmArgs& a, int n0, int n1) {
   }
 }
 
-template <int MM, int BITS>
-static void qmv_group(const QmmArgs& a, int n0, int n1) {
-  switch (a.group_size) {
-    case 32: return qmv_rows<MM, BITS, 32>(a, n0, n1);
-    case 64: return qmv_rows<MM, BITS, 64>(a, n0, n1);
-    default: return qmv_rows<MM, BITS, 128>(a, n0, n1);
-  }
-}
-
-template <int BITS>
-static void qmv_bits(const QmmArgs& a, int n0, int n1) {
-  switch (a.M) {
-    case 1: return qmv_group<1, BITS>(a, n0, n1);
-    case 2: return qmv_group<2, BITS>(a, n0, n1);
-    case 3: return qmv_group<3, BITS>(a, n0, n1);
-    case 4: return qmv_group<4, BITS>(a, n0, n1);
-    case 5: return qmv_group<5, BITS>(a, n0, n1);
-    case 6: return qmv_group<6, BITS>(a, n0, n1);
-    case 7: return qmv_group<7, BITS>(a, n0, n1);
-    default: return qmv_group<8, BITS>(a, n0, n1);
-  }
-}
+struct Rows {
+  template <int MM, int BITS, int GS>
+  static void run(const QmmArgs& a, int n0, int n1) { qmv_rows<MM, BITS, GS>(a, n0, n1); }
+};
 
 // int8 x turned off (set_int8_decode): the int16 x kernel of qmm_vnni.cpp.
 static QmvFn int16_qmv = nullptr;
 
 static void qmv(const QmmArgs& a, int n0, int n1) {
   if (a.xb == nullptr) return int16_qmv(a, n0, n1);
-  if (a.bits == 4) return qmv_bits<4>(a, n0, n1);
-  qmv_bits<8>(a, n0, n1);
+  if (a.bits == 4) return dispatch_qmv<Rows, 4>(a, n0, n1);
+  dispatch_qmv<Rows, 8>(a, n0, n1);
 }
 
 // x rounded to int8 per weight group (d = max|x| / 127, round to nearest even, as qmm_avx2i8.cpp's prep_x8) in
