@@ -108,8 +108,12 @@ static inline void qmv_row(const QmmArgs& a, int n, float* sd, float* rows) {
   int u = 0;
   for (; u + 1 < nfull; u += 2) {
     const uint8_t* wu = wr + u * unit_bytes;
-    // Weights stream from DRAM once per token: one prefetch per cache line, kPrefetch bytes ahead.
-    for (int l = 0; l < 2 * unit_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wu + l + kPrefetch), _MM_HINT_T0);
+    // Weights stream from DRAM once per token: one prefetch per cache line, kPrefetch bytes ahead, and the line of
+    // the last byte: in rows not 64-byte aligned (288 bytes: SmolLM2) two units span one line more (one thread,
+    // 256 MB of 288-byte rows cycled, Zen 4 with pairs off, as on Intel: 10-20% less time with it).
+    const char* ahead = reinterpret_cast<const char*>(wu + kPrefetch);
+    for (int l = 0; l < 2 * unit_bytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    _mm_prefetch(ahead + 2 * unit_bytes - 1, _MM_HINT_T0);
     unit_dot<MM, BITS, GS>(a, wu, u, sd, acc0, false);
     unit_dot<MM, BITS, GS>(a, wu + unit_bytes, u + 1, sd, acc1, false);
   }
