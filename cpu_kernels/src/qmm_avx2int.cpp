@@ -110,15 +110,23 @@ static inline void qmv_block(const QmmArgs& a, int n, float* sd, float* sbuf, fl
   for (; g + 1 < ng; g += 2) {
     for (int r = 0; r < R; ++r) {
       const uint8_t* wr = w0 + r * row_bytes + g * group_bytes;
-      // Weights stream from DRAM once per token: one prefetch per cache line, kPrefetch bytes ahead.
-      for (size_t l = 0; l < 2 * group_bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(wr + l + pf), _MM_HINT_T0);
+      // Weights stream from DRAM once per token: one prefetch per cache line, kPrefetch bytes ahead, and the line of
+      // the last byte (rows not 64-byte aligned, e.g. 288 bytes, span one line more than their 64-byte steps; one
+      // thread, 256 MB of 288-byte 64-group rows cycled, Zen 4: 1-19% less time, median ~6%).
+      const char* ahead = reinterpret_cast<const char*>(wr + pf);
+      for (size_t l = 0; l < 2 * group_bytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+      _mm_prefetch(ahead + 2 * group_bytes - 1, _MM_HINT_T0);
       group_dot<MM, BITS, CPG>(a, wr, g * CPG, sd + r * MM * gp + g, acc0[r]);
       group_dot<MM, BITS, CPG>(a, wr + group_bytes, (g + 1) * CPG, sd + r * MM * gp + g + 1, acc1[r]);
     }
   }
   if (g < ng)
-    for (int r = 0; r < R; ++r)
-      group_dot<MM, BITS, CPG>(a, w0 + r * row_bytes + g * group_bytes, g * CPG, sd + r * MM * gp + g, acc0[r]);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wr = w0 + r * row_bytes + g * group_bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + pf), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wr + group_bytes - 1 + pf), _MM_HINT_T0);
+      group_dot<MM, BITS, CPG>(a, wr, g * CPG, sd + r * MM * gp + g, acc0[r]);
+    }
   if constexpr (R == 4 && MM == 1) {
     _mm_storeu_ps(a.out + n, hsum4(_mm256_add_ps(acc0[0][0], acc1[0][0]), _mm256_add_ps(acc0[1][0], acc1[1][0]),
                                    _mm256_add_ps(acc0[2][0], acc1[2][0]), _mm256_add_ps(acc0[3][0], acc1[3][0])));
