@@ -208,8 +208,8 @@ def _base_isa(module: ModuleType) -> str:
 
 
 def int8_decode_active(module: Optional[ModuleType] = None) -> bool:
-    """Whether decode's 4-bit matvecs round x to int8 now: a set of INT8_DECODE_SETS with its int8 path on (the
-    load-time self-check turns it off while it runs)."""
+    """Whether decode's matvecs round x to int8 now (4-bit weights; on avx512vnnii8 8-bit ones too): a set of
+    INT8_DECODE_SETS with its int8 path on (the load-time self-check turns it off while it runs)."""
     module = module if module is not None else _load()
     if module is None or _base_isa(module) not in INT8_DECODE_SETS or not hasattr(module, "set_int8_decode"):
         return False
@@ -247,7 +247,7 @@ def report_notes() -> list:
 def int8_activations(*, decode: Optional[bool] = None, prefill: Optional[bool] = None,
                      ext: Optional[ModuleType] = None) -> Iterator[None]:
     """The kernels' int8 activation paths on (True) or off (False) while inside, None leaving one as it is: decode
-    (the avx2i8 set's matvecs, int16 x when off) and prefill (the int8 GEMM; off: the precise path, int16 on
+    (the int8 sets' matvecs, int16 x when off) and prefill (the int8 GEMM; off: the precise path, int16 on
     the AVX2 integer and VNNI sets, else float32 tiles). The
     settings found are restored. ``ext``: the extension module (default: the loaded one). A build without such a
     path has nothing to switch (it already runs the precise one)."""
