@@ -150,11 +150,7 @@ static void qmv_rows(const QmmArgs& a, int n0, int n1) {
   if constexpr (MM > 4) {
     // 16 ymm registers hold the accumulators of 4 x rows, not 8 (the VNNI kernel has 32 zmm): rows 0-3 and
     // 4.. go as two blocks over each weight row, its second read coming from L1.
-    QmmArgs hi = a;
-    hi.xq += (size_t)4 * a.kpad;
-    hi.xd += (size_t)4 * a.gpad;
-    hi.xsum += (size_t)4 * a.gpad;
-    hi.xcorr += (size_t)4 * a.gpad;
+    QmmArgs hi = past_x_rows(a, 4);
     hi.out += (size_t)4 * a.N;
     for (; n < n1; ++n) {
       qmv_block<4, 1, BITS, CPG>(a, n, sd, sbuf, bbuf);

@@ -119,7 +119,7 @@ KernelSet avx2int_kernels();  // isa "avx2": int16 x decode (qmm_avx2int.cpp), f
 KernelSet avx2i8_kernels();   // isa "avx2i8": int8 x decode for 4-bit weights (qmm_avx2i8.cpp), else avx2's
 KernelSet avx512_kernels();
 KernelSet avx512vnni_kernels();
-KernelSet avx512vnnii8_kernels();  // isa "avx512vnnii8": int8 x decode for 4-bit weights (qmm_vnni_i8.cpp), else avx512vnni's
+KernelSet avx512vnnii8_kernels();  // isa "avx512vnnii8": int8 x decode, 4/8-bit (qmm_vnni_i8.cpp), else avx512vnni's
 // + the integer prefill GEMMs: int8 on the AVX2 integer and VNNI sets (used when MLXINFER_PREFILL=int8 or
 // set_int8_prefill(true); the name then ends in "+int8-prefill"), int16 on the same sets (the default there).
 // MLXINFER_PREFILL=float: neither (float32 tiles).
@@ -133,7 +133,7 @@ bool int8_prefill_requested();
 // MLXINFER_DECODE=int8 (quantized.cpp): select_kernels() then picks the CPU's int8 decode set (avx512vnnii8 on
 // AVX-512 VNNI, else avx2i8) unless MLXINFER_ISA forces one; any other value keeps the precise default.
 bool int8_decode_requested();
-// The integer prefill's micro-kernels on AVX-512 VNNI (qmm_vnni.cpp): tile[kI8RowBlock][16] = 4 x rows times one
+// The integer prefill's micro-kernels on AVX-512 VNNI (qmm_vnni_gemm.cpp): tile[kI8RowBlock][16] = 4 x rows times one
 // 16-column panel over one k-block, the layouts and arithmetic of qmm_avx2i8gemm.cpp's micro (which documents them).
 // int8 x: one vpdpbusd per 4 k of 16 columns; its integer sums and float steps are the AVX2 kernel's, so are its
 // results. int16 x (xq points at int16 elements): vpmovzxbw'd weights, vpdpwssd.
@@ -155,8 +155,8 @@ KernelSet neon_kernels();
 // (x86) or generic|neon (arm64).
 const KernelSet& select_kernels();
 
-// On (default): 4-bit decode matvecs of an int8_x set (avx2i8, avx512vnnii8) round x to int8; off: to int16 as
-// their base sets (avx2, avx512vnni) do.
+// On (default): the decode matvecs of an int8_x set round x to int8 (avx2i8: 4-bit weights; avx512vnnii8: 4- and
+// 8-bit); off: to int16 as their base sets (avx2, avx512vnni) do.
 // Returns the previous setting. In quantized.cpp.
 bool set_int8_decode(bool on);
 // On (default): prefill of a set with qmm_i8 (4-bit weights) rounds x to int8 per 32-block; off: float32 tiles.

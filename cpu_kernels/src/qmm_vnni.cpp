@@ -194,8 +194,10 @@ static inline void qmv_row2(const QmmArgs& a, int n, float* sd0, float* sd1, flo
   // on 576-wide rows, Zen 4 harness).
   for (int g = 0; g < ng; g += 16) {
     const size_t off0 = (size_t)n * ng + g, off1 = off0 + ng;
-    const __m512 sv0 = load_scales(a.scales, a.stype, off0, ng - g), bv0 = load_scales(a.biases, a.stype, off0, ng - g);
-    const __m512 sv1 = load_scales(a.scales, a.stype, off1, ng - g), bv1 = load_scales(a.biases, a.stype, off1, ng - g);
+    const __m512 sv0 = load_scales(a.scales, a.stype, off0, ng - g);
+    const __m512 bv0 = load_scales(a.biases, a.stype, off0, ng - g);
+    const __m512 sv1 = load_scales(a.scales, a.stype, off1, ng - g);
+    const __m512 bv1 = load_scales(a.biases, a.stype, off1, ng - g);
     for (int m = 0; m < MM; ++m) {
       const size_t xo = (size_t)m * gp + g;
       const __m512 xd = _mm512_loadu_ps(a.xd + xo), xs = _mm512_loadu_ps(a.xsum + xo);
@@ -216,7 +218,10 @@ static inline void qmv_row2(const QmmArgs& a, int n, float* sd0, float* sd1, flo
     }
     unit_dot2<MM, BITS, GS>(a, w0 + o, w1 + o, u, sd0, sd1, acc0, acc1, false);
   }
-  if (tail) unit_dot2<MM, BITS, GS>(a, w0 + nfull * unit_bytes, w1 + nfull * unit_bytes, nfull, sd0, sd1, acc0, acc1, true);
+  if (tail) {
+    const int o = nfull * unit_bytes;
+    unit_dot2<MM, BITS, GS>(a, w0 + o, w1 + o, nfull, sd0, sd1, acc0, acc1, true);
+  }
   for (int m = 0; m < MM; ++m) {
     _mm512_store_ps(out0 + m * 256, acc0[m]);
     _mm512_store_ps(out1 + m * 256, acc1[m]);
@@ -230,13 +235,8 @@ static inline void qmv_pair(const QmmArgs& a, int n, float* sd0, float* sd1, flo
     qmv_row2<MM, BITS, GS>(a, n, sd0, sd1, rows + 16 * j, rows + 16 * (j + 1));
   } else {
     qmv_row2<4, BITS, GS>(a, n, sd0, sd1, rows + 16 * j, rows + 16 * (j + 1));
-    QmmArgs b = a;
-    b.xq = a.xq + (size_t)4 * a.kpad;
-    b.xd = a.xd + (size_t)4 * a.gpad;
-    b.xsum = a.xsum + (size_t)4 * a.gpad;
-    b.xcorr = a.xcorr + (size_t)4 * a.gpad;
     float* r = rows + 4 * 256;
-    qmv_row2<MM - 4, BITS, GS>(b, n, sd0, sd1, r + 16 * j, r + 16 * (j + 1));
+    qmv_row2<MM - 4, BITS, GS>(past_x_rows(a, 4), n, sd0, sd1, r + 16 * j, r + 16 * (j + 1));
   }
 }
 

@@ -128,16 +128,6 @@ static inline void qmv_pass(const QmmArgs& a, int n, float* sd, float* const (&o
     }
 }
 
-// QmmArgs past its first `skip` x rows.
-static inline QmmArgs rows_from(const QmmArgs& a, int skip) {
-  QmmArgs b = a;
-  b.xb = a.xb + (size_t)skip * a.kpad;
-  b.xd = a.xd + (size_t)skip * a.gpad;
-  b.xsum = a.xsum + (size_t)skip * a.gpad;
-  b.xcorr = a.xcorr + (size_t)skip * a.gpad;
-  return b;
-}
-
 // Output rows in blocks of 16, reduced by sum16 as in qmm_vnni.cpp's qmv_rows: [m][row][16] partial sums. Two
 // weight rows per pass where qmm_vnni.cpp pairs them (from 4 x rows, or rows of at most 512 bytes), in passes of
 // at most 4 x rows.
@@ -151,7 +141,7 @@ static void qmv_rows(const QmmArgs& a, int n0, int n1) {
   const bool short_rows = (size_t)a.K * BITS / 8 <= 512;
   const bool pairs = MM >= 4 || (short_rows && (MM >= 2 || short_row_pairs()));
   constexpr int P = MM < 4 ? MM : 4;  // x rows in the first pass of a pair
-  const QmmArgs rest = rows_from(a, P);
+  const QmmArgs rest = past_x_rows(a, P);
   for (int nb = n0; nb < n1; nb += 16) {
     const int cnt = n1 - nb < 16 ? n1 - nb : 16;
     int j = 0;
