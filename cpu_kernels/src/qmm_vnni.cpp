@@ -83,7 +83,7 @@ __attribute__((always_inline)) static inline void unit_dot(const QmmArgs& a, con
 // from cache not slower).
 template <int MM, int BITS, int GS>
 static inline void qmv_row(const QmmArgs& a, int n, float* sd, float* rows) {
-  const int K = a.K, ng = K / GS, gp = a.gpad;
+  const int K = a.K, ng = K / GS;
   const size_t row_bytes = (size_t)K * BITS / 8;
   constexpr int unit_elems = BITS == 4 && GS == 32 ? 64 : GS;
   constexpr int unit_bytes = unit_elems * BITS / 8;
@@ -92,16 +92,10 @@ static inline void qmv_row(const QmmArgs& a, int n, float* sd, float* rows) {
   __m512 acc0[MM], acc1[MM];
   for (int m = 0; m < MM; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
   // sd[m][g] = s[g] * d[m][g] for the unit loop; the bias term goes straight into acc1.
-  for (int g = 0; g < ng; g += 16) {
-    const size_t off = (size_t)n * ng + g;
-    const __m512 sv = load_scales(a.scales, a.stype, off, ng - g);
-    const __m512 bv = load_scales(a.biases, a.stype, off, ng - g);
-    for (int m = 0; m < MM; ++m) {
-      const size_t xo = (size_t)m * gp + g;
-      _mm512_store_ps(sd + m * gp + g, _mm512_mul_ps(sv, _mm512_loadu_ps(a.xd + xo)));
-      acc1[m] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(a.xsum + xo), acc1[m]);
-      acc1[m] = _mm512_fmadd_ps(sv, _mm512_loadu_ps(a.xcorr + xo), acc1[m]);
-    }
+  {
+    float* const sds[1] = {sd};
+    __m512* const accs[1] = {acc1};
+    row_setup<MM, 1>(a, n, ng, sds, accs);
   }
   const uint8_t* wr = a.w + (size_t)n * row_bytes;
   // Two accumulator sets so consecutive units do not wait on each other's FMA.
@@ -190,23 +184,10 @@ static inline void qmv_row2(const QmmArgs& a, int n, float* sd0, float* sd1, flo
   const bool tail = K % unit_elems != 0;
   __m512 acc0[MM], acc1[MM];
   for (int m = 0; m < MM; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
-  // qmv_row's setup for both rows in one loop, sharing x's loads (two calls of one helper measured 10-15% slower
-  // on 576-wide rows, Zen 4 harness).
-  for (int g = 0; g < ng; g += 16) {
-    const size_t off0 = (size_t)n * ng + g, off1 = off0 + ng;
-    const __m512 sv0 = load_scales(a.scales, a.stype, off0, ng - g);
-    const __m512 bv0 = load_scales(a.biases, a.stype, off0, ng - g);
-    const __m512 sv1 = load_scales(a.scales, a.stype, off1, ng - g);
-    const __m512 bv1 = load_scales(a.biases, a.stype, off1, ng - g);
-    for (int m = 0; m < MM; ++m) {
-      const size_t xo = (size_t)m * gp + g;
-      const __m512 xd = _mm512_loadu_ps(a.xd + xo), xs = _mm512_loadu_ps(a.xsum + xo);
-      const __m512 xc = _mm512_loadu_ps(a.xcorr + xo);
-      _mm512_store_ps(sd0 + m * gp + g, _mm512_mul_ps(sv0, xd));
-      _mm512_store_ps(sd1 + m * gp + g, _mm512_mul_ps(sv1, xd));
-      acc0[m] = _mm512_fmadd_ps(sv0, xc, _mm512_fmadd_ps(bv0, xs, acc0[m]));
-      acc1[m] = _mm512_fmadd_ps(sv1, xc, _mm512_fmadd_ps(bv1, xs, acc1[m]));
-    }
+  {  // both rows' setup in one loop, sharing x's loads
+    float* const sds[2] = {sd0, sd1};
+    __m512* const accs[2] = {acc0, acc1};
+    row_setup<MM, 2>(a, n, ng, sds, accs);
   }
   const uint8_t* w0 = a.w + (size_t)n * row_bytes;
   const uint8_t* w1 = w0 + row_bytes;

@@ -64,17 +64,14 @@ static inline void qmv_pass(const QmmArgs& a, int n, float* sd, float* const (&o
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MM; ++m) acc[i][r][m] = _mm512_setzero_ps();
   // sd = s * d per group (zero past ng: masked scales, zeroed xd); the bias and centring terms go into acc[0].
-  for (int g = 0; g < ng; g += 16) {
+  {
+    float* sds[R];
+    __m512* accs[R];
     for (int r = 0; r < R; ++r) {
-      const size_t off = (size_t)(n + r) * ng + g;
-      const __m512 sv = load_scales(a.scales, a.stype, off, ng - g), bv = load_scales(a.biases, a.stype, off, ng - g);
-      for (int m = 0; m < MM; ++m) {
-        const size_t xo = (size_t)m * gp + g;
-        _mm512_store_ps(sd + (r * MM + m) * gp + g, _mm512_mul_ps(sv, _mm512_loadu_ps(a.xd + xo)));
-        acc[0][r][m] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(a.xsum + xo), acc[0][r][m]);
-        acc[0][r][m] = _mm512_fmadd_ps(sv, _mm512_loadu_ps(a.xcorr + xo), acc[0][r][m]);
-      }
+      sds[r] = sd + r * MM * gp;
+      accs[r] = acc[0][r];
     }
+    row_setup<MM, R>(a, n, ng, sds, accs);
   }
   const uint8_t* w0 = a.w + (size_t)n * row_bytes;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
