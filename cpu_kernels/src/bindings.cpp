@@ -23,8 +23,9 @@ using namespace nb::literals;
 NB_MODULE(_mlxinfer_cpu, m) {
   m.doc() = "mlxinfer native CPU kernels (MLX custom primitives)";
   m.def("quantized_matmul", &mlxinfer_cpu::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        nb::kw_only(), "group_size"_a, "bits"_a, "residual"_a = nb::none(),
-        "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True), + residual if given.");
+        nb::kw_only(), "group_size"_a, "bits"_a, "residual"_a = nb::none(), "tiled"_a = false,
+        "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True), + residual if given; "
+        "tiled: the weight is in row tiles (mlxinfer.kernels.tiling).");
   m.def("gather_qmm", &mlxinfer_cpu::gather_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a, nb::kw_only(),
         "group_size"_a, "bits"_a,
         "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for affine-quantized experts "
@@ -82,6 +83,8 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.def("has_int8_prefill", [] { return mlxinfer_cpu::select_kernels().qmm_i8 != nullptr; },
         "Whether this kernel set has the int8 prefill GEMM (set_int8_prefill(True) uses it).");
   m.def("isa", [] { return std::string(mlxinfer_cpu::select_kernels().isa); });
+  m.def("tiled_weights_supported", &mlxinfer_cpu::tiled_weights_supported,
+        "Whether this kernel set reads 4-bit weights in row tiles (decode and prefill alike).");
   // The MLX headers this module was compiled against; the C++ ABI is tied to that exact version.
   m.attr("mlx_version") = MLXINFER_STR(MLX_VERSION_MAJOR) "." MLXINFER_STR(MLX_VERSION_MINOR) "." MLXINFER_STR(MLX_VERSION_PATCH);
 }

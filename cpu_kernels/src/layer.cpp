@@ -42,7 +42,9 @@ namespace mlxinfer_cpu::layer {
 namespace {
 
 QWeight qw(const std::vector<mx::array>& in, const LayerPlan& p, int l, float* out) {
-  return {&in[p.lin(l)], &in[p.lin(l, 1)], &in[p.lin(l, 2)], out};
+  QWeight w{&in[p.lin(l)], &in[p.lin(l, 1)], &in[p.lin(l, 2)], out};
+  w.tiled = p.tiled;
+  return w;
 }
 
 // RMSNorm rows with the plan's stored-weight convention (w, or 1 + w for Gemma).

@@ -65,7 +65,10 @@ int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std
   p.attn_scale = (float)get("attn_scale"), p.eps = (float)get("norm_eps"), p.qk_eps = (float)get("qk_norm_eps");
   p.norm_offset = (float)get("norm_offset"), p.qk_whole = get("qk_norm_whole") != 0;
   p.q_row_scale = get("q_row_scale") != 0;
-  if (config.size() != 18) fail("config has unknown keys");
+  p.tiled = config.count("tiled") && config.at("tiled") != 0;
+  if (config.size() != 18 + config.count("tiled")) fail("config has unknown keys");
+  if (p.tiled && (p.bits != 4 || !tiled_weights_supported()))
+    fail("tiled weights need 4-bit linears and a kernel set that reads them (tiled_weights_supported)");
   if (p.hq <= 0 || p.hkv <= 0 || p.d <= 0 || p.hq % p.hkv) fail("heads must be positive, n_heads a multiple of n_kv_heads");
   if (p.rope_dims < 0 || p.rope_dims % 2 || p.rope_dims > p.d) fail("rope dims must be even and <= head_dim");
   if (p.act != 0 && p.act != 1) fail("activation is 0 (silu) or 1 (gelu_tanh)");
@@ -115,6 +118,9 @@ std::vector<mx::array> decoder_layer(const mx::array& x, const std::vector<mx::a
     if (p.lin(l) >= 0 && check_quantized_weight(dims[l][0], inputs[p.lin(l)], inputs[p.lin(l, 1)],
                                                 inputs[p.lin(l, 2)], p.gs, p.bits, "decoder_layer") != dims[l][1])
       fail(std::string("projection ") + kLinearNames[l] + " has the wrong output size for the layer");
+  for (int l = 0; l < kLinears && p.tiled; ++l)
+    if (p.lin(l) >= 0 && dims[l][1] % kTileRows != 0)
+      fail(std::string("projection ") + kLinearNames[l] + ": tiled weights need a multiple of 16 output rows");
   auto vec = [&](int slot, int n, const char* what) {
     if (p.at[slot] < 0) return;
     const auto& w = arr(slot);

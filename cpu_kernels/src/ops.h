@@ -14,10 +14,11 @@ namespace mlxinfer_cpu {
 
 // Same result as mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)
 // (affine mode): x (..., K) times the quantized (N, K) weight -> (..., N), plus `residual` (float32, the output's
-// shape) when given. Runs on the CPU stream.
+// shape) when given. Runs on the CPU stream. tiled: w/scales/biases are in row tiles (qmm_vnni_tiled.cpp; 4-bit,
+// N a multiple of 16, a kernel set with tiled_weights_supported()).
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits,
-                           const std::optional<mx::array>& residual = std::nullopt);
+                           const std::optional<mx::array>& residual = std::nullopt, bool tiled = false);
 
 // mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) (affine): w (E, N, K * bits / 32) a stack
 // of quantized experts, x (..., M, K) float32 and indices (...) integer broadcast over their batch dims ->

@@ -55,8 +55,42 @@ static inline void load_scales(const void* base, ScaleType t, size_t off, int co
 // wdst[panel][chunk][quad 0..7][half 0..1][col 0..7][4 bytes]; sdst/bdst[panel][group][NP] (zero past n1).
 // WIDE (the AVX2 int16 micro-kernel): int16 weights, each quad as [half][pair 0..1][col 0..7][2 k]: pair 0 holds
 // (k0, k1) and pair 1 (k2, k3) of 8 columns, so vpmaddwd against x's broadcast pair sums one column per lane.
+// repack<false> for tiled weights (QmmArgs::tiled, qmm_vnni_tiled.cpp: a tile is a panel): each word of 16 rows,
+// its bytes 1 and 2 swapped back, gives quad e (low nibbles) and quad 4 + e (high nibbles) of 16 columns as they
+// are; the scales of a tile's group are already side by side. n0 and n1 are multiples of kTileRows.
+static void repack_tiled(const QmmArgs& a, int n0, int n1, int k0, int kc, uint8_t* wdst, float* sdst, float* bdst) {
+  const int gs = a.group_size, ng = a.K / gs, gpb = kc / gs, nchunk = kc / 32;
+  const size_t tile_bytes = (size_t)kTileRows * a.K / 2;
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i unswap = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15, 0, 2, 1, 3, 4, 6, 5, 7,
+                                          8, 10, 9, 11, 12, 14, 13, 15);
+  for (int p = 0; p < (n1 - n0) / NP; ++p) {
+    const int t = n0 / kTileRows + p;
+    const uint8_t* src = a.w + (size_t)t * tile_bytes + (size_t)k0 / 8 * 64;
+    uint8_t* wp = wdst + (size_t)p * kPanelBytes;
+    for (int c = 0; c < nchunk; ++c)
+      for (int e = 0; e < 4; ++e)
+        for (int half = 0; half < 2; ++half) {
+          const __m256i v = _mm256_shuffle_epi8(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (size_t)(4 * c + e) * 64 + half * 32)), unswap);
+          uint8_t* d = wp + (size_t)c * 512 + half * 32;
+          _mm256_store_si256(reinterpret_cast<__m256i*>(d + e * 64), _mm256_and_si256(v, mask));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(d + (e + 4) * 64),
+                             _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+        }
+    for (int g = 0; g < gpb; ++g) {
+      const size_t off = ((size_t)t * ng + k0 / gs + g) * kTileRows;
+      load_scales(a.scales, a.stype, off, NP, sdst + ((size_t)p * (kKc / 32) + g) * NP, 1);
+      load_scales(a.biases, a.stype, off, NP, bdst + ((size_t)p * (kKc / 32) + g) * NP, 1);
+    }
+  }
+}
+
 template <bool WIDE>
 static void repack(const QmmArgs& a, int n0, int n1, int k0, int kc, uint8_t* wdst, float* sdst, float* bdst) {
+  if constexpr (!WIDE) {
+    if (a.tiled) return repack_tiled(a, n0, n1, k0, kc, wdst, sdst, bdst);
+  }
   const int gs = a.group_size, ng = a.K / gs, gpb = kc / gs, nchunk = kc / 32;
   const size_t row_bytes = (size_t)a.K / 2;
   const int nrows = n1 - n0, npan = (nrows + NP - 1) / NP;
@@ -289,10 +323,11 @@ static void qmm_rows(const QmmArgs& a, const XInt8& x, int n0, int n1, void* scr
   const int ncalls = x.mpad / MR * npan;
   for (int k0 = 0; k0 < K; k0 += kKc) {
     const int kc = std::min(kKc, K - k0);
-    if (k0 == 0) prefetch_block(a, n0, 0, kc, 0, nrows * lines_per_row(kc));
+    // Row-major weights only: a tiled task's rows are one contiguous stream the hardware prefetcher follows.
+    if (k0 == 0 && !a.tiled) prefetch_block(a, n0, 0, kc, 0, nrows * lines_per_row(kc));
     repack<MK == Micro::avx2_i16>(a, n0, n1, k0, kc, wbuf, sbuf, bbuf);
     // The next k-block's lines, spread over this block's micro-kernel calls.
-    const int kn = k0 + kKc, kcn = std::min(kKc, K - kn), nlines = kn < K ? nrows * lines_per_row(kcn) : 0;
+    const int kn = k0 + kKc, kcn = std::min(kKc, K - kn), nlines = kn < K && !a.tiled ? nrows * lines_per_row(kcn) : 0;
     int call = 0;
     for (int m0 = 0; m0 < x.mpad; m0 += MR) {
       const int mcount = std::min(MR, a.M - m0);

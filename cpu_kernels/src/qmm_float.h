@@ -14,6 +14,7 @@ struct QWeight {
   const mx::array* biases;
   float* out;  // (M, N) float32
   int expert = -1;  // >= 0: w/scales/biases hold one weight per expert (leading dim E); this one multiplies
+  bool tiled = false;  // 4-bit weights in row tiles (QmmArgs::tiled); every weight of one call alike
 };
 
 // out_i = x @ dequant(w_i).T for weights sharing K, group_size and bits (N may differ): x (..., K) is prepared

@@ -38,7 +38,12 @@ struct QmmArgs {
   // KernelSet::int8_x kernels: x rounded to int8 per weight group, (M, kpad) in the set's order (avx2i8: the 4-bit
   // xq order above; avx512vnnii8: qmm_vnni_i8.cpp), with xd/xcorr/xsum as above.
   const int8_t* xb = nullptr;
+  // 4-bit weights in row tiles (qmm_vnni_tiled.cpp has the layout): decode runs KernelSet::qmv_tiled, prefill the
+  // integer GEMM's tiled repack (qmm_avx2i8gemm.cpp); N and every task's rows are multiples of kTileRows.
+  bool tiled = false;
 };
+
+constexpr int kTileRows = 16;
 
 // Decode (M <= 8): rows [n0, n1) of the output for all M.
 using QmvFn = void (*)(const QmmArgs&, int n0, int n1);
@@ -97,6 +102,10 @@ struct KernelSet {
   void (*prep_x8)(const float* x, int M, int K, int group_size, int bits, int kpad, int gpad, int8_t* xb, float* xd,
                   float* xcorr, float* xsum) = nullptr;
   int int8_kpad = 64;  // xb rows are padded to a multiple of this (the set's int8 layout: 64 or 128 per block)
+  // Decode on tiled weights (QmmArgs::tiled) when set: int16 x from prep_x16, or int8 x from prep_x8_tiled.
+  QmvFn qmv_tiled = nullptr;
+  void (*prep_x8_tiled)(const float* x, int M, int K, int group_size, int bits, int kpad, int gpad, int8_t* xb,
+                        float* xd, float* xcorr, float* xsum) = nullptr;
   // Int8 prefill (M > 8, 4-bit weights) when set, and its x preparation into XInt8's buffers.
   QmmI8Fn qmm_i8 = nullptr;
   void (*prep_x8_gemm)(const float* x, int M, int K, int group_size, int mpad, int8_t* q, float* d, float* sum,
@@ -124,6 +133,11 @@ KernelSet avx512vnnii8_kernels();  // isa "avx512vnnii8": int8 x decode, 4/8-bit
 // set_int8_prefill(true); the name then ends in "+int8-prefill"), int16 on the same sets (the default there).
 // MLXINFER_PREFILL=float: neither (float32 tiles).
 KernelSet with_integer_prefill(KernelSet ks);
+// ks with the tiled-weight decode matvecs (qmm_vnni_tiled.cpp; the VNNI sets).
+KernelSet with_tiled_decode(KernelSet ks);
+// Whether weights may be tiled for select_kernels(): it has qmv_tiled and 4-bit prefill is the integer GEMM (the
+// only prefill that reads tiles). In quantized.cpp.
+bool tiled_weights_supported();
 // The process' prefill setting, read once from MLXINFER_PREFILL (quantized.cpp): int8, int16, float, or the
 // default (unset or any other value; mlxinfer.native names an unknown one).
 enum class PrefillMode { dflt, int8, int16, float32 };

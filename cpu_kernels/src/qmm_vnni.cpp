@@ -322,7 +322,7 @@ KernelSet avx512vnni_kernels() {
   ks.qmv = isa_vnni::qmv;
   ks.int16_x = true;
   ks.prep_x16 = isa_vnni::prep_x16;
-  return ks;
+  return with_tiled_decode(ks);
 }
 
 }  // namespace mlxinfer_cpu

@@ -58,8 +58,8 @@ namespace {
 
 class NativeQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  NativeQuantizedMatmul(mx::Stream s, int group_size, int bits)
-      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+  NativeQuantizedMatmul(mx::Stream s, int group_size, int bits, bool tiled)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits), tiled_(tiled) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -68,7 +68,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
   const char* name() const override { return "MlxinferQuantizedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const NativeQuantizedMatmul*>(&other);
-    return o && o->group_size_ == group_size_ && o->bits_ == bits_;
+    return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->tiled_ == tiled_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape s = inputs[0].shape();
@@ -79,6 +79,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
+  bool tiled_;
 };
 
 template <typename T>
@@ -167,14 +168,18 @@ void store_out(mx::array& out, size_t count, F value) {
 }
 
 void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-             const mx::array& biases, mx::array& out, int group_size, int bits) {
+             const mx::array& biases, mx::array& out, int group_size, int bits, bool tiled) {
+  QWeight qw{&w, &scales, &biases, nullptr};
+  qw.tiled = tiled;
   if (out.dtype() == mx::float32) {
-    qmm_float(x, {{&w, &scales, &biases, out.data<float>()}}, group_size, bits);
+    qw.out = out.data<float>();
+    qmm_float(x, {qw}, group_size, bits);
     return;
   }
   thread_local std::vector<float> obuf;
   obuf.resize(out.size());
-  qmm_float(x, {{&w, &scales, &biases, obuf.data()}}, group_size, bits);
+  qw.out = obuf.data();
+  qmm_float(x, {qw}, group_size, bits);
   const float* of = obuf.data();
   store_out(out, out.size(), [of](size_t i) { return of[i]; });
 }
@@ -228,8 +233,9 @@ void NativeSwiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
 
 void NativeQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int gs = group_size_, bits = bits_;
-  dispatch_contiguous(stream(), inputs, out, [gs, bits](std::vector<mx::array>& in, mx::array& o) {
-    run_qmm(in[0], in[1], in[2], in[3], o, gs, bits);
+  const bool tiled = tiled_;
+  dispatch_contiguous(stream(), inputs, out, [gs, bits, tiled](std::vector<mx::array>& in, mx::array& o) {
+    run_qmm(in[0], in[1], in[2], in[3], o, gs, bits, tiled);
     if (in.size() == 5) {  // + residual (float32, the output's shape): a transformer block's skip connection
       float* y = o.data<float>();
       const float* r = in[4].data<float>();
@@ -275,6 +281,11 @@ bool int8_decode_requested() {
 
 bool set_int8_prefill(bool on) { return int8_prefill.exchange(on, std::memory_order_relaxed); }
 
+bool tiled_weights_supported() {
+  const KernelSet& ks = select_kernels();
+  return ks.qmv_tiled && ks.int16_x && ks.qmm_i16 && ks.qmm_i8 && !ks.qmm_bf16;
+}
+
 void qmm_float(const mx::array& x, const std::vector<QWeight>& ws, int group_size, int bits) {
   thread_local std::vector<float> xbuf;
   const int K = x.shape(-1);
@@ -304,12 +315,27 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     a.scales = ws[i].scales->data<char>() + row0 * (K / group_size) * sitem;
     a.biases = ws[i].biases->data<char>() + row0 * (K / group_size) * sitem;
     a.out = ws[i].out;
+    a.tiled = ws[i].tiled;
+    if (a.tiled != ws[0].tiled || (a.tiled && (bits != 4 || a.N % kTileRows != 0)))
+      throw std::invalid_argument("[mlxinfer_cpu] tiled weights: 4-bit, N a multiple of 16, all of a call alike");
   }
+  const bool tiled = nw > 0 && ws[0].tiled;
+  if (tiled && !(ks.qmv_tiled && ks.int16_x && (M <= 8 || ks.qmm_i16)))
+    throw std::invalid_argument(std::string("[mlxinfer_cpu] kernel set ") + ks.isa + " does not read tiled weights");
   const int T = pool.size();
   // Read once: the branch below and the GEMM it picks must agree even if set_int8_prefill runs meanwhile.
   const bool i8 = bits == 4 && ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed);
 
-  if (M <= 8 && ks.int8_x && (bits == 4 || ks.int8_x8) && int8_decode.load(std::memory_order_relaxed)) {
+  if (M <= 8 && tiled) {
+    if (ks.int8_x && int8_decode.load(std::memory_order_relaxed)) {
+      prep_int_x<int8_t>(M, K, group_size, 64, args, &QmmArgs::xb,
+                         [&](int kpad, int gpad, int8_t* q, float* d, float* c, float* sum) {
+                           ks.prep_x8_tiled(xf, M, K, group_size, bits, kpad, gpad, q, d, c, sum);
+                         });
+    } else {
+      prep_int16_x(ks, xf, M, K, group_size, bits, args);
+    }
+  } else if (M <= 8 && ks.int8_x && (bits == 4 || ks.int8_x8) && int8_decode.load(std::memory_order_relaxed)) {
     prep_int8_x(ks, xf, M, K, group_size, bits, args);
   } else if (M <= 8 && ks.int16_x) {
     prep_int16_x(ks, xf, M, K, group_size, bits, args);
@@ -341,13 +367,14 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     int rows = static_cast<int>((total + 4 * T - 1) / (4 * T));
     rows = std::min<int64_t>(rows, kTaskBytes / std::max<int64_t>(1, (int64_t)K * bits / 8));
     rows = std::max(16, (rows + 7) / 8 * 8);
+    if (tiled) rows = (rows + kTileRows - 1) / kTileRows * kTileRows;  // whole tiles
     // A tiny matvec (e.g. a 192x576 k/v projection, ~10 us) costs less than waking a second thread.
     if (total * K < kSerialWeights) rows = 1 << 30;
     const std::vector<RowTask> tasks = split_rows(args, rows);
     pool.run(static_cast<int>(tasks.size()), [&](int t, int) {
-      ks.qmv(args[tasks[t].w], tasks[t].n0, tasks[t].n1);
+      (tiled ? ks.qmv_tiled : ks.qmv)(args[tasks[t].w], tasks[t].n0, tasks[t].n1);
     });
-  } else if (!i8 && ks.qmm_bf16) {
+  } else if (!i8 && ks.qmm_bf16 && !tiled) {
     // AMX-BF16 prefill: x split into bf16 hi + lo tiles once (layout in XBf16), weights expanded per task.
     const int mblocks = (M + kBf16RowBlock - 1) / kBf16RowBlock;
     // In floats: 16 rows x K x (hi, lo) bf16 per m-block, then the group sums.
@@ -454,8 +481,12 @@ int check_quantized_weight(int x_k, const mx::array& w, const mx::array& scales,
 
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits, const std::optional<mx::array>& residual) {
+                           const mx::array& biases, int group_size, int bits, const std::optional<mx::array>& residual,
+                           bool tiled) {
   const int N = check_quantized_weight(x, w, scales, biases, group_size, bits, "quantized_matmul");
+  if (tiled && (bits != 4 || N % kTileRows != 0 || !tiled_weights_supported()))
+    throw std::invalid_argument("[mlxinfer_cpu.quantized_matmul] tiled weights need 4 bits, N a multiple of 16 and "
+                                "a kernel set that reads them (tiled_weights_supported)");
   mx::Shape shape = x.shape();
   shape.back() = N;
   const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
@@ -466,7 +497,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
     inputs.push_back(*residual);
   }
   return mx::array(shape, dtype,
-                   std::make_shared<NativeQuantizedMatmul>(mx::to_stream({}, mx::Device::cpu), group_size, bits),
+                   std::make_shared<NativeQuantizedMatmul>(mx::to_stream({}, mx::Device::cpu), group_size, bits, tiled),
                    std::move(inputs));
 }
 

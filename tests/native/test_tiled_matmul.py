@@ -1,0 +1,86 @@
+"""Row-tiled 4-bit weights (mlxinfer.kernels.tiling; cpu_kernels/src/qmm_vnni_tiled.cpp): the tiled decode matvecs
+(int16 x on avx512vnni, int8 x on avx512vnnii8) and the integer prefill GEMMs' tiled repack give the row-major
+kernels' results, in a process per kernel set (the set is chosen once per process).
+
+The row-major kernels are the reference here (their own tests hold them to exact float64 products): decode sums
+the same integer products in another order (~1e-6 of an output's scale), prefill unpacks the same panels (equal)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import mlx.core as mx
+import pytest
+from isa_variants import isa_variants, run_under_isa
+
+from mlxinfer.kernels import tiling
+
+_PARITY = textwrap.dedent(
+    """
+    import mlx.core as mx
+    from mlxinfer import native
+    from mlxinfer.kernels import tiling
+    ext = native.extension()
+    assert ext.tiled_weights_supported(), ext.isa()
+    mx.random.seed(5)
+    worst_decode = worst_prefill = 0.0
+    cases = 0
+    for gs, K, N, dt in [(32, 576, 192, mx.float16), (32, 96, 32, mx.float16), (64, 1536, 64, mx.bfloat16),
+                         (64, 640, 48, mx.float16), (128, 512, 80, mx.float32), (128, 1152, 16, mx.bfloat16)]:
+        wq, s, b = mx.quantize(mx.random.normal((N, K)) * 0.1, group_size=gs, bits=4)
+        s, b = s.astype(dt), b.astype(dt)
+        tw, ts, tb = tiling.tile(wq, s, b)
+        for M in (1, 2, 3, 4, 5, 8, 9, 17, 40):
+            x = mx.random.normal((M, K))
+            rows = ext.quantized_matmul(x, wq, s, b, group_size=gs, bits=4)
+            tiled = ext.quantized_matmul(x, tw, ts, tb, group_size=gs, bits=4, tiled=True)
+            err = (mx.abs(tiled - rows).max() / mx.abs(rows).max()).item()
+            if M <= 8:
+                worst_decode = max(worst_decode, err)
+            else:
+                worst_prefill = max(worst_prefill, err)
+            cases += 1
+    print(ext.isa(), cases, worst_decode, worst_prefill)
+    """
+)
+
+
+def _tiled_sets(native_ext) -> list:
+    sets = [s for s in ("avx512vnni", "avx512vnnii8") if s in isa_variants(native_ext.isa())]
+    if not sets:
+        pytest.skip(f"no AVX-512 VNNI here ({native_ext.isa()}): no kernel set reads tiles")
+    return sets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill", [None, "int8"])
+def test_tiled_kernels_match_row_major(native_ext, prefill):
+    for isa in _tiled_sets(native_ext):
+        proc = run_under_isa(_PARITY, isa, prefill=prefill)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        name, cases, worst_decode, worst_prefill = proc.stdout.split()
+        assert name.startswith(isa) and int(cases) == 54
+        assert float(worst_decode) < 2e-5, (isa, prefill, worst_decode)
+        assert float(worst_prefill) == 0.0, (isa, prefill, worst_prefill)
+
+
+def test_tile_round_trip_and_layout():
+    wq, s, b = mx.quantize(mx.random.normal((32, 64)), group_size=32, bits=4)
+    tw, ts, tb = tiling.tile(wq, s, b)
+    assert tw.shape == wq.shape and ts.shape == s.shape and tw.dtype == mx.uint32
+    assert all(mx.array_equal(a, c).item() for a, c in zip(tiling.untile(tw, ts, tb), (wq, s, b)))
+    # Tile 1, word 3, row 5 is row 21's word 3 with its bytes 1 and 2 swapped; scales side by side per group.
+    word = wq[21, 3].item()
+    swapped = (word & 0xFF0000FF) | ((word & 0xFF00) << 8) | ((word >> 8) & 0xFF00)
+    assert tw.reshape(2, 8, 16)[1, 3, 5].item() == swapped
+    assert ts.reshape(2, 2, 16)[1, 1, 5].item() == s[21, 1].item()
+
+
+def test_bad_tiled_calls_are_refused(native_ext):
+    wq, s, b = mx.quantize(mx.random.normal((24, 64)), group_size=32, bits=4)  # 24 rows: not whole tiles
+    x = mx.random.normal((1, 64))
+    with pytest.raises(ValueError, match="tiled"):
+        native_ext.quantized_matmul(x, wq, s, b, group_size=32, bits=4, tiled=True)
+    w8, s8, b8 = mx.quantize(mx.random.normal((32, 64)), group_size=32, bits=8)
+    with pytest.raises(ValueError, match="tiled"):
+        native_ext.quantized_matmul(x, w8, s8, b8, group_size=32, bits=8, tiled=True)
