@@ -17,13 +17,15 @@ block's fixed arguments are worked out once (:func:`prepare`) and kept on the bl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxinfer.kernels import spec as spec_lib
+from mlxinfer.kernels import tiling
 from mlxinfer.kernels.kv_cache import InPlaceKVCache, InPlaceRotatingKVCache, NativeBatchKVCache, kv_dtype
 from mlxinfer.kernels.layers import caps_of
 
@@ -33,6 +35,7 @@ class BlockPlan:
     spec: spec_lib.LayerSpec
     plan: Any          # the provider's plan (decoder_layer_plan)
     owners: tuple      # ((module, key), ...): where each named array lives (spec.owners)
+    tiled_plan: Any = None  # the plan reading the linears in row tiles (kernels.tiling), while they are tiled
 
 
 def prepare(block, provider, window: int = 0) -> str:
@@ -66,10 +69,37 @@ def window_of(block) -> int:
     return plan.spec.sliding_window if plan is not None else 0
 
 
+def tile(block) -> bool:
+    """Put a prepared block's quantized linears in row tiles (``kernels.tiling``) and run it with a plan that reads
+    them so; False (nothing changed) when a linear is not tileable or the provider refuses the plan."""
+    plan = block.__dict__.get("_native_plan")
+    if plan is None or tiling.is_tiled(block):
+        return False
+    linears = [o for o, k in plan.owners if k == "weight" and isinstance(o, nn.QuantizedLinear)]
+    if not linears or not all(tiling.tileable(q) for q in linears):
+        return False
+    tiled_plan = plan.tiled_plan
+    if tiled_plan is None:
+        tiled_plan = block._kernel_provider.decoder_layer_plan(plan.spec.names(), {**plan.spec.config(), "tiled": 1})
+        if tiled_plan is None:
+            return False
+        block._native_plan = plan = replace(plan, tiled_plan=tiled_plan)
+    tiling.tile_block(block, linears)
+    return True
+
+
+def leave_one_op(block) -> None:
+    """Before a block's call runs anything but the one op (its per-op path, the module's own code): its weights
+    back in MLX's layout if they were tiled, for good (the op reads them so too)."""
+    if "_tiled" in block.__dict__:
+        tiling.untile_block(block)
+
+
 def native_block(block, x: mx.array, mask, cache, q_scale: Optional[mx.array] = None) -> Optional[mx.array]:
     """``block(x, mask, cache)`` for a prepared block as one provider op, or None when this call is not one the op
-    takes (then nothing has changed but, perhaps, the cache's buffers). ``q_scale``: the factor per query row of a
-    spec with ``q_row_scale`` (Ministral 3's ``attn_scale``, (L, 1) or (B, 1, L, 1)), required there."""
+    takes (then nothing has changed but, perhaps, the cache's buffers; the caller calls :func:`leave_one_op`
+    before it runs the call otherwise). ``q_scale``: the factor per query row of a spec with ``q_row_scale``
+    (Ministral 3's ``attn_scale``, (L, 1) or (B, 1, L, 1)), required there."""
     # __dict__ lookups: nn.Module attribute access is a Python __getattr__ for what is not in it (~0.2 us each).
     plan = block.__dict__.get("_native_plan")
     if plan is None or x.ndim != 3 or x.dtype != mx.float32:
@@ -97,13 +127,18 @@ def native_block(block, x: mx.array, mask, cache, q_scale: Optional[mx.array] = 
         return None
     k_buf, v_buf, write, first = buffers
     out = provider.decoder_layer(x, [o[k] for o, k in plan.owners], k_buf, v_buf, offset=cache.offset,
-                                 causal=mask is not None, plan=plan.plan, write=write, first=first, q_scale=q_scale)
+                                 causal=mask is not None, plan=_plan_id(block, plan), write=write, first=first,
+                                 q_scale=q_scale)
     if out is None:  # a model the op does not take: stop asking for this block
         block._native_plan = None
         return None
     y, k, v = out
     cache.written(provider, k, v, write, first, x.shape[1])
     return y
+
+
+def _plan_id(block, plan: BlockPlan) -> Any:
+    return plan.tiled_plan if "_tiled" in block.__dict__ else plan.plan
 
 
 def _batch_block(block, plan: BlockPlan, x: mx.array, mask, cache, q_scale) -> Optional[mx.array]:
@@ -124,7 +159,8 @@ def _batch_block(block, plan: BlockPlan, x: mx.array, mask, cache, q_scale) -> O
         return None
     k_buf, v_buf, write = buffers
     out = provider.decoder_layer(x, [o[k] for o, k in plan.owners], k_buf, v_buf, offset=write, causal=True,
-                                 plan=plan.plan, write=write, first=0, starts=cache.left_padding, q_scale=q_scale)
+                                 plan=_plan_id(block, plan), write=write, first=0, starts=cache.left_padding,
+                                 q_scale=q_scale)
     if out is None:
         return None
     y, k, v = out

@@ -165,6 +165,7 @@ def _block_call(base: type) -> Callable:
             batch = _batch_cache(self, cache)
             if batch is not None:
                 cache = batch
+        fused_block.leave_one_op(self)  # what runs below reads the weights with other ops
         if not fused_parts(self):  # a block only the whole-layer op covers (e.g. Qwen3's q/k norms)
             return base.__call__(self, x, mask, cache)
         h = self.self_attn(x, mask, cache, residual=x, norm=self.input_layernorm)
@@ -182,6 +183,7 @@ def _scaled_block_call(base: type) -> Callable:
             y = fused_block.native_block(self, x, mask, cache, q_scale=scale)
             if y is not None:
                 return y
+        fused_block.leave_one_op(self)
         return base.__call__(self, x, attn_scale, mask, cache)
 
     return __call__

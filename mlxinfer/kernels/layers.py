@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
+from mlxinfer.kernels import tiling
 from mlxinfer.kernels.kv_cache import NativeBatchKVCache
 from mlxinfer.kernels.provider import Capabilities, KernelProvider
 
@@ -137,7 +138,8 @@ def bind(m: nn.Module, cls: type, provider: KernelProvider) -> None:
 
 
 def unbind(m: nn.Module) -> None:
-    """``m`` back to its built-in class, with the per-instance kernel state gone."""
+    """``m`` back to its built-in class, with the per-instance kernel state gone (its weights in MLX's layout)."""
+    tiling.untile_block(m)
     m.__class__ = builtin_class(type(m))
     for name in INSTANCE_STATE:
         m.__dict__.pop(name, None)

@@ -12,13 +12,15 @@ capabilities it has (``kernels.provider``), and then, per module instance of thi
 * routes every other mlx-lm attention module's ``scaled_dot_product_attention`` through the provider
   (``layers.routed_attention_class``: the module's code with its own copy of the globals);
 * runs the load-time self-check (``kernels.selfcheck``), which turns off what disagrees with mlx-lm's code;
+* where the provider reads them (``TiledWeights``), puts the one-op layers' 4-bit weights in row tiles
+  (``kernels.tiling``, checked against the same layer on MLX's layout);
 * on the CPU, settles the dtype of each quantized layer's scales/biases (:func:`settle_scales`).
 
 Nothing outside ``model`` changes: another model in the process (a bench peer, the model before chat's
 ``/model``) keeps MLX's layers and attention. ``apply_kernels(model, "builtin")`` undoes it all.
 
-Module chain (imports go one way): provider, eligibility, kv_cache -> layers -> fused_block -> fused_llama ->
-selfcheck -> patch.
+Module chain (imports go one way): provider, eligibility, kv_cache, tiling -> layers -> fused_block -> fused_llama
+-> selfcheck -> patch.
 """
 
 from __future__ import annotations
@@ -116,6 +118,10 @@ def _apply(model: nn.Module, mode: str) -> KernelReport:
         return KernelReport("builtin", f"MLX built-in kernels ({why})")
     block_why_not = _swap(model, provider, caps)
     findings = selfcheck.check_model(model)
+    tiled = 0
+    if caps.tiled and not (findings and mode == "custom"):
+        tiled, tile_findings = selfcheck.tile_checked(model)
+        findings += tile_findings
     if findings and mode == "custom":
         restore_builtin(model)
         raise MlxinferError(findings[0].line(), hint="use --kernels auto (it falls back) or --kernels builtin")
@@ -123,6 +129,8 @@ def _apply(model: nn.Module, mode: str) -> KernelReport:
         # make_prompt_cache(model) (the engine, bench, server) then gives the caches the one-op layers write.
         model.make_cache = kv_cache.cache_maker(model, _windowed_layers(model))
     why_not = list(provider.report_notes()) if caps.notes else []  # e.g. the CPU's int8 prefill
+    if tiled:
+        why_not.append(f"{tiled} decoder layers' 4-bit weights in row tiles")
     why_not += [f"{n} decoder layers not as one op: {why}" for why, n in block_why_not.items()]
     why_not += [f.line() for f in findings]
     validated = eligibility.mlx_lm_validated()

@@ -162,6 +162,16 @@ class BatchedPositions(Protocol):
 
 
 @runtime_checkable
+class TiledWeights(Protocol):
+    """``decoder_layer`` plans with ``"tiled": 1`` in their config read the layer's 4-bit linears in row tiles
+    (``kernels.tiling``), which this CPU decodes faster."""
+
+    def tiled_weights(self) -> bool:
+        """Whether tiled plans run here now (the kernel set reads tiles, and the user did not turn them off)."""
+        ...
+
+
+@runtime_checkable
 class ReportNotes(Protocol):
     def report_notes(self) -> list:
         """Clauses the kernel report adds (e.g. the CPU's prefill precision)."""
@@ -193,6 +203,7 @@ class Capabilities:
     batched: bool = False          # BatchedPositions: a BatchKVCache step without built-in RoPE/KV/attention
     batched_block: bool = False    # decoder_block taking starts=: a BatchKVCache step as one op per layer
     notes: bool = False            # ReportNotes: clauses for the kernel report
+    tiled: bool = False            # TiledWeights (with decoder_block), and it answers yes: one-op layers get tiles
 
 
 def capabilities(provider: Any) -> Capabilities:
@@ -214,6 +225,7 @@ def capabilities(provider: Any) -> Capabilities:
         # A left-padded batch through the one-op layer: decoder_layer(..., starts=), each row's first key.
         batched_block=block and batched and _accepts(provider.decoder_layer, ("starts",)),
         notes=has(ReportNotes),
+        tiled=block and has(TiledWeights) and bool(provider.tiled_weights()),
     )
 
 

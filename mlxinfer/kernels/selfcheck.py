@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_lm.models.cache import KVCache
+from mlxinfer.kernels import fused_block, tiling
 from mlxinfer.kernels.fused_block import window_of
 from mlxinfer.kernels.layers import (
     bind, builtin_class, fused_kind, is_kernel_class, routed_attention_class, routes_attention, unbind,
@@ -38,9 +39,14 @@ class Finding:
     where: str    # the first module of the configuration, e.g. "model.layers.0"
     count: int    # modules sharing the configuration
     error: float  # relative max difference of the fused path
-    kept: str     # what runs now: "per-op kernels" or "MLX built-ins"
+    kept: str     # what runs now: "per-op kernels", "MLX built-ins" or "MLX's weight layout"
+    checked: str = ""  # "row tiles": the tiled kernels against the same fused path on MLX's layout
 
     def line(self) -> str:
+        if self.checked:
+            return (f"self-check: the fused path of {self.where} (+{self.count - 1} alike) on {self.checked} "
+                    f"disagreed with itself on MLX's layout (max rel. error {self.error:.2g} > {TOLERANCE:g}); "
+                    f"{self.count} modules keep {self.kept}")
         return (f"self-check: the fused path of {self.where} (+{self.count - 1} alike) disagreed with mlx-lm's own "
                 f"code (max rel. error {self.error:.2g} > {TOLERANCE:g}); {self.count} modules use {self.kept}")
 
@@ -62,6 +68,32 @@ def check_model(model: nn.Module) -> list[Finding]:
             kept = "MLX built-ins"
         findings.append(Finding(where, len(members), error, kept))
     return findings
+
+
+def tile_checked(model: nn.Module) -> tuple[int, list[Finding]]:
+    """Put the one-op layers' 4-bit linears in row tiles (``fused_block.tile``), one configuration at a time: its
+    first layer's fused output on the check's input must not move (the tiled kernels sum in another order: ~1e-6),
+    else that configuration keeps MLX's layout and a finding says so. Returns (layers tiled, findings)."""
+    tiled, findings = 0, []
+    for where, members in _groups(model).items():
+        first = members[0]
+        xs = _inputs(first)
+        if xs is None or "_native_plan" not in first.__dict__:
+            continue
+        with _precise_activations():
+            before = _run(first, first, xs)
+            if not fused_block.tile(first):
+                continue
+            after = _run(first, first, xs)
+        if not tiling.is_tiled(first):  # the op did not take the check's call, and put the weights back
+            continue
+        error = max(float(mx.abs(a - b).max()) / (float(mx.abs(b).max()) or 1.0) for a, b in zip(after, before))
+        if not error <= TOLERANCE:  # NaN too
+            tiling.untile_block(first)
+            findings.append(Finding(where, len(members), error, "MLX's weight layout", "row tiles"))
+            continue
+        tiled += 1 + sum(fused_block.tile(m) for m in members[1:])
+    return tiled, findings
 
 
 def _is_fused(m: nn.Module) -> bool:
@@ -249,8 +281,10 @@ def _precise_activations():
 
 @contextlib.contextmanager
 def _unfused_view(m: nn.Module) -> Iterator[None]:
-    """Every kernel class in ``m``'s subtree (its attention routing included) as MLX's while inside."""
+    """Every kernel class in ``m``'s subtree (its attention routing included) as MLX's while inside, its weights in
+    MLX's layout (a tiled block is tiled again after)."""
     saved = [(sub, sub.__class__) for _, sub in m.named_modules()]
+    retile = tiling.untile_block(m)
     try:
         for sub, cls in saved:
             sub.__class__ = builtin_class(cls)
@@ -258,6 +292,8 @@ def _unfused_view(m: nn.Module) -> Iterator[None]:
     finally:
         for sub, cls in saved:
             sub.__class__ = cls
+        if retile:
+            fused_block.tile(m)
 
 
 def _unfuse(m: nn.Module, *, keep_per_op: bool) -> None:

@@ -24,7 +24,11 @@ e.g. the bundled model's answer to "What is the capital of France?"; the set's n
 ``MLXINFER_PREFILL=float`` keeps the float32 tiles. ``MLXINFER_DECODE=int8`` rounds decode's x to int8 as well, on
 the CPU's int8 set (``avx512vnnii8`` with AVX-512 VNNI: 4- and 8-bit weights; else ``avx2i8``: 4-bit): llama.cpp's
 accuracy class, faster for batches of sequences (``mlxinfer serve``), not for one stream.
-``prefill_problem()`` and ``decode_problem()`` are the one line for any other value, which the kernels ignore.
+On the AVX-512 VNNI sets (not AMX, not ``MLXINFER_PREFILL=float``) the 4-bit weights of layers that run as one op
+are stored in row tiles (``mlxinfer.kernels.tiling``: 16 rows side by side, what the decode matvecs read fastest);
+``MLXINFER_TILED=0`` keeps MLX's row-major layout.
+``prefill_problem()``, ``decode_problem()`` and ``tiled_problem()`` are the one line for any other value, which the
+kernels ignore.
 """
 
 from __future__ import annotations
@@ -190,9 +194,22 @@ def decode_problem() -> Optional[str]:
     return None
 
 
+def tiled_requested() -> bool:
+    """MLXINFER_TILED: one-op layers' 4-bit weights in row tiles where the kernel set reads them (kernels.tiling):
+    on unless it is 0 (an unknown value keeps it on; tiled_problem() names it)."""
+    return os.environ.get("MLXINFER_TILED", "").strip() != "0"
+
+
+def tiled_problem() -> Optional[str]:
+    value = os.environ.get("MLXINFER_TILED", "").strip()
+    if value in ("", "0", "1"):
+        return None
+    return f"MLXINFER_TILED={value!r} is not 0 or 1 and is ignored (tiles stay on); set it to 0 or 1, or unset it"
+
+
 def settings_problem() -> Optional[str]:
-    """prefill_problem() and decode_problem() as one line, None when both settings are fine."""
-    return "; ".join(line for line in (prefill_problem(), decode_problem()) if line) or None
+    """prefill_problem(), decode_problem() and tiled_problem() as one line, None when the settings are fine."""
+    return "; ".join(line for line in (prefill_problem(), decode_problem(), tiled_problem()) if line) or None
 
 
 def _switch_on(setter: Callable[[bool], bool]) -> bool:

@@ -28,6 +28,13 @@ class NativeCpuProvider:
 
         return native.report_notes()
 
+    def tiled_weights(self) -> bool:
+        """The VNNI kernel sets read one-op layers' 4-bit weights in row tiles (kernels.tiling), unless
+        ``MLXINFER_TILED=0``."""
+        from mlxinfer import native
+
+        return native.tiled_requested() and bool(self._ext.tiled_weights_supported())
+
     def quantized_matmul(self, x, w, scales, biases, *, group_size: int, bits: int, mode: str = "affine",
                          residual: Optional[mx.array] = None) -> Optional[mx.array]:
         # MLX's affine 4/8-bit format, groups 32/64/128, float x/scales: (..., K) x (N, K)^T -> (..., N),

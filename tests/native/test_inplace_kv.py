@@ -140,6 +140,7 @@ def test_decode_keeps_its_buffers_and_other_writers_get_a_copy(native_ext, monke
     from mlxinfer.kernels import selfcheck
 
     monkeypatch.setattr(selfcheck, "check_model", lambda model: [])  # it reserves buffers too; count decode's only
+    monkeypatch.setattr(selfcheck, "tile_checked", lambda model: (0, []))  # so does the check of row tiles
     reserved = []
     real = NativeCpuProvider.kv_reserve
     monkeypatch.setattr(NativeCpuProvider, "kv_reserve",

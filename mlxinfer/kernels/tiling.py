@@ -1,0 +1,83 @@
+"""4-bit weights in row tiles: the layout the native decode matvecs read fastest on AVX-512 VNNI CPUs.
+
+Why: a decode matvec over MLX's row-major weights reduces each output row on its own (a per-row setup, a float
+scaling per group, a horizontal sum); with 16 rows side by side, one int32 lane per row, those become one vector
+op for 16 rows. Same bytes, same shapes: tile t of ``w`` (N, K/8) uint32 holds, word by word, the 16 rows' words
+(bytes 1 and 2 of each swapped), and scales/biases (N, K/group) the 16 rows' values of each group side by side
+(``cpu_kernels/src/qmm_vnni_tiled.cpp`` documents it). llama.cpp repacks Q4_0 for its AVX-512 kernels the same way.
+
+Only MLXINFER's native ops read tiles (``decoder_layer`` with a ``"tiled"`` plan, ``quantized_matmul(tiled=True)``);
+every MLX op would read them as garbage. So a layer is tiled only once it runs as one ``decoder_layer`` op, after
+its load-time self-check, and :func:`untile_block` puts it back before anything else reads its weights
+(``kernels.fused_block`` on a call the op does not take, ``kernels.patch`` when the kernels come off).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import mlx.core as mx
+
+ROWS = 16  # rows per tile (kTileRows)
+
+
+def _swap_middle_bytes(w: mx.array) -> mx.array:
+    # Self-inverse: bytes 1 and 2 of each uint32 trade places.
+    return (w & 0xFF0000FF) | ((w & 0x0000FF00) << 8) | ((w >> 8) & 0x0000FF00)
+
+
+def tile(w: mx.array, scales: mx.array, biases: mx.array) -> tuple:
+    """(w, scales, biases) of a 4-bit (N, K) weight in row tiles; N a multiple of 16."""
+    n = w.shape[0]
+    assert n % ROWS == 0 and w.dtype == mx.uint32, "tile: a uint32 (N, K/8) weight with N a multiple of 16"
+
+    def t(a):  # (N, c) -> (N/16, c, 16) -> (N, c)
+        return a.reshape(n // ROWS, ROWS, -1).transpose(0, 2, 1).reshape(n, -1)
+
+    return t(_swap_middle_bytes(w)), t(scales), t(biases)
+
+
+def untile(w: mx.array, scales: mx.array, biases: mx.array) -> tuple:
+    """The inverse of :func:`tile`: MLX's row-major layout again."""
+    n = w.shape[0]
+
+    def u(a):  # (N, c) -> (N/16, c, 16) -> (N/16, 16, c) -> (N, c)
+        return a.reshape(n // ROWS, -1, ROWS).transpose(0, 2, 1).reshape(n, -1)
+
+    return _swap_middle_bytes(u(w)), u(scales), u(biases)
+
+
+def tileable(linear) -> bool:
+    """A bias-free affine 4-bit QuantizedLinear whose output rows fill whole tiles."""
+    return (getattr(linear, "bits", None) == 4 and getattr(linear, "mode", "affine") == "affine"
+            and "biases" in linear and linear["weight"].shape[0] % ROWS == 0)
+
+
+def _swap(linears: Iterable, fn) -> None:
+    arrays = []
+    for lin in linears:
+        w, s, b = fn(lin["weight"], lin["scales"], lin["biases"])
+        lin["weight"], lin["scales"], lin["biases"] = w, s, b
+        arrays += [w, s, b]
+    # Made now, and the old arrays freed: the swap costs no memory past one layer's weights.
+    mx.eval(arrays)
+
+
+def tile_block(block, linears: list) -> None:
+    """Puts ``linears`` (the block's QuantizedLinears) in row tiles and marks the block (``_tiled``)."""
+    _swap(linears, tile)
+    # In __dict__ itself: nn.Module would keep a tuple of modules as a child (a second path to the linears).
+    block.__dict__["_tiled"] = tuple(linears)
+
+
+def untile_block(block) -> bool:
+    """Puts a tiled block's linears back in MLX's layout; False when it was not tiled."""
+    linears = block.__dict__.pop("_tiled", None)
+    if linears is None:
+        return False
+    _swap(linears, untile)
+    return True
+
+
+def is_tiled(block) -> bool:
+    return block.__dict__.get("_tiled") is not None

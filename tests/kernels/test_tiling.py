@@ -1,0 +1,124 @@
+"""Row tiles in a model (kernels.tiling through kernels.patch): the one-op layers' 4-bit weights are tiled after
+the self-check where the kernel set reads tiles, the logits stay those of MLX's layout, every way out (kernels
+off, a call the op does not take, a tiled path that disagrees) puts MLX's layout back, and MLXINFER_TILED=0
+keeps it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import cache as cache_lib
+
+from kernel_cases import tiny_llama
+from mlxinfer import native as native_mod
+from mlxinfer.kernels import fused_block, patch, selfcheck, tiling
+
+
+@pytest.fixture
+def tiles(native):
+    if not native.tiled_weights():
+        pytest.skip(f"this kernel set does not read tiles ({native_mod.extension().isa()})")
+    return native
+
+
+def run(model, tokens=(1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31), steps=32):
+    """Logits of an 11-token prefill (the GEMM path) and 32 greedy decode steps (the matvecs)."""
+    cache = cache_lib.make_prompt_cache(model)
+    out = [model(mx.array([list(tokens)]), cache=cache)[:, -1]]
+    for _ in range(steps):
+        out.append(model(mx.argmax(out[-1], axis=-1)[:, None], cache=cache)[:, -1])
+    mx.eval(out)
+    return mx.concatenate(out)
+
+
+def weights(model) -> dict:
+    return {k: v for k, v in tree_flatten(model.parameters())}
+
+
+def tiled_blocks(model) -> int:
+    return sum(tiling.is_tiled(b) for b in model.model.layers)
+
+
+def test_tiled_model_matches_row_major_and_comes_back(tiles, monkeypatch):
+    original = weights(tiny_llama())
+    model = tiny_llama()
+    monkeypatch.setenv("MLXINFER_TILED", "0")
+    patch.apply_kernels(model, "auto")
+    assert tiled_blocks(model) == 0
+    expected = run(model)
+    monkeypatch.delenv("MLXINFER_TILED")
+    report = patch.apply_kernels(model, "auto")
+    assert "2 decoder layers' 4-bit weights in row tiles" in report.detail, report.detail
+    assert tiled_blocks(model) == 2
+    q = model.model.layers[0].self_attn.q_proj
+    assert not mx.array_equal(q["weight"], original["model.layers.0.self_attn.q_proj.weight"]).item()
+    got = run(model)
+    err = float(mx.abs(got - expected).max() / mx.abs(expected).max())
+    assert err < 1e-4, err
+    patch.apply_kernels(model, "builtin")  # kernels off: MLX's layout, bit for bit
+    assert tiled_blocks(model) == 0
+    assert all(mx.array_equal(v, original[k]).item() for k, v in weights(model).items())
+
+
+def test_a_call_the_op_does_not_take_untiles_first(tiles):
+    model = tiny_llama()
+    patch.apply_kernels(model, "auto")
+    block = model.model.layers[0]
+    assert tiling.is_tiled(block)
+    x = mx.random.normal((1, 3, 128)).astype(mx.float16)  # not float32: the op declines, per-op/MLX code runs
+    assert fused_block.native_block(block, x, "causal", cache_lib.KVCache()) is None and tiling.is_tiled(block)
+    y = block(x, "causal", cache_lib.KVCache())
+    assert not tiling.is_tiled(block) and tiling.is_tiled(model.model.layers[1])
+    patch.apply_kernels(model, "builtin")
+    ref = block(x, "causal", cache_lib.KVCache())
+    assert mx.allclose(y.astype(mx.float32), ref.astype(mx.float32), atol=2e-2, rtol=2e-2).item()
+
+
+def test_a_tiled_path_that_disagrees_keeps_mlx_layout(tiles, monkeypatch):
+    model = tiny_llama()
+    original = weights(model)
+    patch.apply_kernels(model, "builtin")
+    expected = run(model, steps=3)
+    tile, untile = tiling.tile, tiling.untile
+    # A tiled path that computes something else (here: tiles whose scales are doubled, undone by untiling).
+    monkeypatch.setattr(tiling, "tile", lambda w, s, b: tile(w, s * 2, b))
+    monkeypatch.setattr(tiling, "untile", lambda w, s, b: (lambda u: (u[0], u[1] / 2, u[2]))(untile(w, s, b)))
+    report = patch.apply_kernels(model, "auto")
+    assert "disagreed with itself on MLX's layout" in report.detail and "row tiles" in report.detail, report.detail
+    assert "decoder layers as one op" in report.detail and tiled_blocks(model) == 0
+    got = run(model, steps=3)
+    assert mx.allclose(got, expected, atol=2e-3, rtol=2e-3).item(), float(mx.abs(got - expected).max())
+    with pytest.raises(Exception, match="row tiles"):
+        patch.apply_kernels(model, "custom")
+    patch.apply_kernels(model, "builtin")
+    assert all(mx.array_equal(v, original[k]).item() for k, v in weights(model).items())
+
+
+def test_a_call_without_a_cache_runs_on_mlx_layout(tiles):
+    model = tiny_llama()
+    patch.apply_kernels(model, "builtin")
+    expected = model(mx.array([[2, 4, 6, 8]]))
+    patch.apply_kernels(model, "auto")
+    assert tiled_blocks(model) == 2
+    got = model(mx.array([[2, 4, 6, 8]]))  # no cache: the blocks' own code, never the op
+    assert tiled_blocks(model) == 0
+    assert mx.allclose(got, expected, atol=1e-3, rtol=1e-3).item(), float(mx.abs(got - expected).max())
+
+
+def test_setting_values(monkeypatch):
+    monkeypatch.setenv("MLXINFER_TILED", "0")
+    assert not native_mod.tiled_requested() and native_mod.tiled_problem() is None
+    monkeypatch.setenv("MLXINFER_TILED", "off")
+    assert native_mod.tiled_requested()
+    assert native_mod.tiled_problem().startswith("MLXINFER_TILED='off' is not 0 or 1")
+    assert "MLXINFER_TILED" in native_mod.settings_problem()
+    monkeypatch.delenv("MLXINFER_TILED")
+    assert native_mod.tiled_requested() and native_mod.tiled_problem() is None
+
+
+def test_selfcheck_reports_tiles_count(tiles):
+    model = tiny_llama()
+    patch.apply_kernels(model, "auto")
+    assert tiled_blocks(model) == 2
+    assert selfcheck.tile_checked(model) == (0, [])  # already tiled: nothing more to do
