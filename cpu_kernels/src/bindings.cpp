@@ -47,7 +47,8 @@ NB_MODULE(_mlxinfer_cpu, m) {
         "offset"_a, "offsets"_a = nb::none(),
         "float32 mx.fast.rope with an integer offset, or per batch row offsets (B,) (an integer array).");
   m.def("quantized_embedding", &mlxinfer_cpu::quantized_embedding, "ids"_a, "w"_a, "scales"_a, "biases"_a,
-        nb::kw_only(), "group_size"_a, "bits"_a, "nn.QuantizedEmbedding lookup: ids -> dequantized float32 rows.");
+        nb::kw_only(), "group_size"_a, "bits"_a, "tiled"_a = false,
+        "nn.QuantizedEmbedding lookup: ids -> dequantized float32 rows (tiled: a table in row tiles).");
   m.def("qkv_rope", &mlxinfer_cpu::qkv_rope, "x"_a, "wq"_a, "wk"_a, "wv"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "rope_dims"_a, "traditional"_a, "base"_a, "scale"_a, "offset"_a,
         "norm_weight"_a = nb::none(), "norm_eps"_a = 0.f, "freqs"_a = nb::none(), "offsets"_a = nb::none(),

@@ -11,6 +11,7 @@
 #include "mlx/primitives.h"
 #include "dispatch.h"
 #include "ops.h"
+#include "qmm_kernels.h"
 
 namespace mlxinfer_cpu {
 
@@ -27,13 +28,32 @@ void scale_row(const mx::array& a, int64_t row, int ng, float* dst) {
   }
 }
 
+// Row t of a table in row tiles (qmm_vnni_tiled.cpp: tile t / 16 holds each word of its 16 rows side by side, bytes
+// 1 and 2 swapped; scales/biases side by side per group) back in MLX's layout: words into wr, scales into sr/br.
+void untile_row(const uint8_t* w, const mx::array& s, const mx::array& b, int64_t t, int K, int ng, uint32_t* wr,
+                float* sr, float* br) {
+  const int nw = K / 8, lane = static_cast<int>(t % kTileRows);
+  const int64_t tile = t / kTileRows;
+  const auto* words = reinterpret_cast<const uint32_t*>(w);
+  for (int j = 0; j < nw; ++j) {
+    const uint32_t v = words[((size_t)tile * nw + j) * kTileRows + lane];
+    wr[j] = (v & 0xFF0000FFu) | ((v & 0x0000FF00u) << 8) | ((v >> 8) & 0x0000FF00u);
+  }
+  std::vector<float> tmp((size_t)ng * kTileRows);  // the tile's values of every group (16 each), then this row's
+  scale_row(s, tile, ng * kTileRows, tmp.data());
+  for (int g = 0; g < ng; ++g) sr[g] = tmp[(size_t)g * kTileRows + lane];
+  scale_row(b, tile, ng * kTileRows, tmp.data());
+  for (int g = 0; g < ng; ++g) br[g] = tmp[(size_t)g * kTileRows + lane];
+}
+
 template <typename T>
 void gather_rows(const mx::array& ids, const uint8_t* w, const mx::array& s, const mx::array& b, float* out, int K,
-                 int V, int group_size, int bits) {
+                 int V, int group_size, int bits, bool tiled) {
   const T* id = ids.data<T>();
   const size_t row_bytes = (size_t)K * bits / 8;
   const int ng = K / group_size;
   std::vector<float> sr(ng), br(ng);
+  std::vector<uint32_t> words(tiled ? K / 8 : 0);
   for (size_t i = 0; i < ids.size(); ++i) {
     const int64_t t = static_cast<int64_t>(id[i]);
     float* o = out + i * K;
@@ -42,8 +62,13 @@ void gather_rows(const mx::array& ids, const uint8_t* w, const mx::array& s, con
       continue;
     }
     const uint8_t* wr = w + t * row_bytes;
-    scale_row(s, t, ng, sr.data());
-    scale_row(b, t, ng, br.data());
+    if (tiled) {
+      untile_row(w, s, b, t, K, ng, words.data(), sr.data(), br.data());
+      wr = reinterpret_cast<const uint8_t*>(words.data());
+    } else {
+      scale_row(s, t, ng, sr.data());
+      scale_row(b, t, ng, br.data());
+    }
     for (int k = 0; k < K; ++k) {
       // MLX's affine layout: element k at bits [bits * (k % (32 / bits)), ...) of little-endian word k / (32 / bits).
       const int q = bits == 4 ? (wr[k >> 1] >> ((k & 1) * 4)) & 0xF : wr[k];
@@ -54,20 +79,21 @@ void gather_rows(const mx::array& ids, const uint8_t* w, const mx::array& s, con
 
 class NativeQuantizedEmbedding : public mx::UnaryPrimitive {
  public:
-  NativeQuantizedEmbedding(mx::Stream s, int group_size, int bits)
-      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+  NativeQuantizedEmbedding(mx::Stream s, int group_size, int bits, bool tiled)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits), tiled_(tiled) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const int gs = group_size_, bits = bits_;
-    dispatch_contiguous(stream(), inputs, out, [gs, bits](std::vector<mx::array>& in, mx::array& o) {
+    const bool tiled = tiled_;
+    dispatch_contiguous(stream(), inputs, out, [gs, bits, tiled](std::vector<mx::array>& in, mx::array& o) {
       const int V = in[1].shape(0), K = in[1].shape(1) * 32 / bits;
       const auto* w = reinterpret_cast<const uint8_t*>(in[1].data<uint32_t>());
       const mx::array &s = in[2], &b = in[3];
       float* y = o.data<float>();
       switch (in[0].dtype()) {
-        case mx::int32: return gather_rows<int32_t>(in[0], w, s, b, y, K, V, gs, bits);
-        case mx::uint32: return gather_rows<uint32_t>(in[0], w, s, b, y, K, V, gs, bits);
-        case mx::int64: return gather_rows<int64_t>(in[0], w, s, b, y, K, V, gs, bits);
-        default: return gather_rows<uint64_t>(in[0], w, s, b, y, K, V, gs, bits);
+        case mx::int32: return gather_rows<int32_t>(in[0], w, s, b, y, K, V, gs, bits, tiled);
+        case mx::uint32: return gather_rows<uint32_t>(in[0], w, s, b, y, K, V, gs, bits, tiled);
+        case mx::int64: return gather_rows<int64_t>(in[0], w, s, b, y, K, V, gs, bits, tiled);
+        default: return gather_rows<uint64_t>(in[0], w, s, b, y, K, V, gs, bits, tiled);
       }
     });
   }
@@ -77,7 +103,7 @@ class NativeQuantizedEmbedding : public mx::UnaryPrimitive {
   const char* name() const override { return "MlxinferQuantizedEmbedding"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const NativeQuantizedEmbedding*>(&other);
-    return o && o->group_size_ == group_size_ && o->bits_ == bits_;
+    return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->tiled_ == tiled_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape s = inputs[0].shape();
@@ -87,12 +113,13 @@ class NativeQuantizedEmbedding : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
+  bool tiled_;
 };
 
 }  // namespace
 
 mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx::array& scales,
-                              const mx::array& biases, int group_size, int bits) {
+                              const mx::array& biases, int group_size, int bits, bool tiled) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("[mlxinfer_cpu.quantized_embedding] " + msg); };
   if (ids.dtype() != mx::int32 && ids.dtype() != mx::uint32 && ids.dtype() != mx::int64 && ids.dtype() != mx::uint64)
     fail("ids must be int32, uint32, int64 or uint64");
@@ -106,10 +133,12 @@ mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx
   if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size ||
       biases.shape() != scales.shape())
     fail("scales/biases must have shape (vocab, dim / group_size)");
+  if (tiled && (bits != 4 || w.shape(0) % kTileRows != 0)) fail("a tiled table has 4-bit rows, a multiple of 16");
   mx::Shape shape = ids.shape();
   shape.push_back(K);
   return mx::array(shape, mx::float32,
-                   std::make_shared<NativeQuantizedEmbedding>(mx::to_stream({}, mx::Device::cpu), group_size, bits),
+                   std::make_shared<NativeQuantizedEmbedding>(mx::to_stream({}, mx::Device::cpu), group_size, bits,
+                                                              tiled),
                    {ids, w, scales, biases});
 }
 

@@ -50,9 +50,9 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
                const std::optional<mx::array>& offsets = std::nullopt);
 
 // nn.QuantizedEmbedding's lookup: ids (any shape, integer) -> dequantized rows (..., dim) float32 (scales/biases
-// float32, float16 or bfloat16). Out-of-range ids give zero rows.
+// float32, float16 or bfloat16). Out-of-range ids give zero rows. tiled: the table is in row tiles (4-bit).
 mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx::array& scales,
-                              const mx::array& biases, int group_size, int bits);
+                              const mx::array& biases, int group_size, int bits, bool tiled = false);
 
 // KV-cache append: writes k/v (B, H, L, D) at [offset, offset + L) of the (B, H, capacity, D) buffers and returns
 // the updated buffers (in place when the inputs are not referenced elsewhere). Buffers float32 or float16 (k/v

@@ -28,17 +28,35 @@ from mlxinfer.kernels.provider import Capabilities, KernelProvider
 SDPA_NAME = "scaled_dot_product_attention"
 
 
+_TILED = {"tiled": True}
+_PLAIN: dict = {}
+
+
+def _tiles(m: nn.Module) -> dict:
+    """The provider keywords for ``m``'s weights: ``tiled=True`` when ``m`` is a tiled head (``kernels.tiling``).
+    The linears of a tiled one-op block are read only by its op: called on their own, they put it back first."""
+    owner = m.__dict__.get("_tiled_by")
+    if owner is None:
+        return _PLAIN
+    if owner is not m:
+        tiling.untile_block(owner)
+        return _PLAIN
+    return _TILED
+
+
 class KernelQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` whose matmul asks the kernel provider first (made by swapping ``__class__``)."""
 
     _kernel_provider: KernelProvider
 
     def __call__(self, x):
+        tiles = _tiles(self)  # first: it may put the weights back in MLX's layout
         y = self._kernel_provider.quantized_matmul(
             x, self["weight"], self["scales"], self.get("biases"),
-            group_size=self.group_size, bits=self.bits, mode=self.mode,
+            group_size=self.group_size, bits=self.bits, mode=self.mode, **tiles,
         )
         if y is None:
+            tiling.untile_block(self)  # MLX's own matmul reads MLX's layout
             return super().__call__(x)
         if "bias" in self:
             y = y + self["bias"]
@@ -48,9 +66,10 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
         """``self(x) + residual`` as one op (the skip connections). Only fused blocks call it, and only with a
         provider that has the ``FusedAttention`` capability (``residual=``)."""
         if "bias" not in self:
+            tiles = _tiles(self)
             y = self._kernel_provider.quantized_matmul(
                 x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                bits=self.bits, mode=self.mode, residual=residual,
+                bits=self.bits, mode=self.mode, residual=residual, **tiles,
             )
             if y is not None:
                 return y
@@ -64,18 +83,26 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     _kernel_lookup: bool = False  # the provider has EmbeddingKernel (else the lookup is MLX's, the head ours)
 
     def __call__(self, x):
+        tiles = _tiles(self)
         y = self._kernel_provider.quantized_embedding(
             x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size, bits=self.bits,
-            mode=self.mode,
+            mode=self.mode, **tiles,
         ) if self._kernel_lookup else None
-        return super().__call__(x) if y is None else y
+        if y is None:
+            tiling.untile_block(self)
+            return super().__call__(x)
+        return y
 
     def as_linear(self, x):
+        tiles = _tiles(self)
         y = self._kernel_provider.quantized_matmul(
             x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size, bits=self.bits,
-            mode=self.mode,
+            mode=self.mode, **tiles,
         )
-        return super().as_linear(x) if y is None else y
+        if y is None:
+            tiling.untile_block(self)
+            return super().as_linear(x)
+        return y
 
 
 class KernelRMSNorm(nn.RMSNorm):

@@ -118,10 +118,11 @@ def _apply(model: nn.Module, mode: str) -> KernelReport:
         return KernelReport("builtin", f"MLX built-in kernels ({why})")
     block_why_not = _swap(model, provider, caps)
     findings = selfcheck.check_model(model)
-    tiled = 0
+    tiled = heads = 0
     if caps.tiled and not (findings and mode == "custom"):
         tiled, tile_findings = selfcheck.tile_checked(model)
-        findings += tile_findings
+        heads, head_findings = selfcheck.tile_heads(model)
+        findings += tile_findings + head_findings
     if findings and mode == "custom":
         restore_builtin(model)
         raise MlxinferError(findings[0].line(), hint="use --kernels auto (it falls back) or --kernels builtin")
@@ -129,8 +130,10 @@ def _apply(model: nn.Module, mode: str) -> KernelReport:
         # make_prompt_cache(model) (the engine, bench, server) then gives the caches the one-op layers write.
         model.make_cache = kv_cache.cache_maker(model, _windowed_layers(model))
     why_not = list(provider.report_notes()) if caps.notes else []  # e.g. the CPU's int8 prefill
-    if tiled:
-        why_not.append(f"{tiled} decoder layers' 4-bit weights in row tiles")
+    if tiled or heads:
+        what = [f"{tiled} decoder layers'"] if tiled else []
+        what += ["the LM head's"] if heads else []
+        why_not.append(f"{' and '.join(what)} 4-bit weights in row tiles")
     why_not += [f"{n} decoder layers not as one op: {why}" for why, n in block_why_not.items()]
     why_not += [f.line() for f in findings]
     validated = eligibility.mlx_lm_validated()

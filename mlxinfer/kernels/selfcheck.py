@@ -23,7 +23,8 @@ from mlx_lm.models.cache import KVCache
 from mlxinfer.kernels import fused_block, tiling
 from mlxinfer.kernels.fused_block import window_of
 from mlxinfer.kernels.layers import (
-    bind, builtin_class, fused_kind, is_kernel_class, routed_attention_class, routes_attention, unbind,
+    KernelQuantizedEmbedding, KernelQuantizedLinear, bind, builtin_class, fused_kind, is_kernel_class,
+    routed_attention_class, routes_attention, unbind,
 )
 
 # Relative to the reference output's largest magnitude. The fused paths differ from MLX's by rounding only
@@ -93,6 +94,40 @@ def tile_checked(model: nn.Module) -> tuple[int, list[Finding]]:
             findings.append(Finding(where, len(members), error, "MLX's weight layout", "row tiles"))
             continue
         tiled += 1 + sum(fused_block.tile(m) for m in members[1:])
+    return tiled, findings
+
+
+def tile_heads(model: nn.Module) -> tuple[int, list[Finding]]:
+    """Row tiles for the LM head: a tied embedding whose lookup is the provider's (``_kernel_lookup``) or an
+    ``lm_head`` linear, 4-bit, rows a multiple of 16. Its output on random rows must not move (and the lookup not
+    at all), else it keeps MLX's layout and a finding says so. Returns (heads tiled, findings)."""
+    tiled, findings = 0, []
+    modules = model.named_modules()
+    untied = any(type(m) is KernelQuantizedLinear and p.rpartition(".")[2] == "lm_head" for p, m in modules)
+    for path, m in modules:
+        # An embedding is the head only when no lm_head exists (tied); tiles would only slow its lookup otherwise.
+        embedding = (type(m) is KernelQuantizedEmbedding and m.__dict__.get("_kernel_lookup", False)
+                     and not untied)
+        linear = type(m) is KernelQuantizedLinear and path.rpartition(".")[2] == "lm_head"
+        if not (embedding or linear) or not tiling.tileable(m) or tiling.tiles_of(m) is not None:
+            continue
+        x = mx.random.normal((3, m["weight"].shape[1] * 32 // m.bits), key=mx.random.key(SEED))
+        ids = mx.array([0, 1, m["weight"].shape[0] // 2, m["weight"].shape[0] - 1])
+        run = (lambda: [m.as_linear(x), m(ids)]) if embedding else (lambda: [m(x)])
+        with _precise_activations():
+            before = run()
+            mx.eval(before)
+            tiling.tile_block(m, [m])
+            after = run()
+            mx.eval(after)
+        error = max(float(mx.abs(a - b).max()) / (float(mx.abs(b).max()) or 1.0) for a, b in zip(after, before))
+        if embedding and not mx.array_equal(after[1], before[1]).item():
+            error = max(error, float("inf"))
+        if tiling.tiles_of(m) is not m or not error <= TOLERANCE:  # a path that declined, or disagreed
+            tiling.untile_block(m)
+            findings.append(Finding(path, 1, error, "MLX's weight layout", "row tiles"))
+            continue
+        tiled += 1
     return tiled, findings
 
 

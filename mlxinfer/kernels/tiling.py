@@ -14,7 +14,7 @@ its load-time self-check, and :func:`untile_block` puts it back before anything 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import mlx.core as mx
 
@@ -48,7 +48,7 @@ def untile(w: mx.array, scales: mx.array, biases: mx.array) -> tuple:
 
 
 def tileable(linear) -> bool:
-    """A bias-free affine 4-bit QuantizedLinear whose output rows fill whole tiles."""
+    """An affine 4-bit quantized layer (scales and biases per group) whose output rows fill whole tiles."""
     return (getattr(linear, "bits", None) == 4 and getattr(linear, "mode", "affine") == "affine"
             and "biases" in linear and linear["weight"].shape[0] % ROWS == 0)
 
@@ -64,10 +64,13 @@ def _swap(linears: Iterable, fn) -> None:
 
 
 def tile_block(block, linears: list) -> None:
-    """Puts ``linears`` (the block's QuantizedLinears) in row tiles and marks the block (``_tiled``)."""
+    """Puts ``linears`` (the block's QuantizedLinears, or ``[block]`` for a head) in row tiles and marks them: the
+    block holds them (``_tiled``), each names the block (``_tiled_by``), so a call on either can undo it."""
     _swap(linears, tile)
     # In __dict__ itself: nn.Module would keep a tuple of modules as a child (a second path to the linears).
     block.__dict__["_tiled"] = tuple(linears)
+    for lin in linears:
+        lin.__dict__["_tiled_by"] = block
 
 
 def untile_block(block) -> bool:
@@ -76,7 +79,14 @@ def untile_block(block) -> bool:
     if linears is None:
         return False
     _swap(linears, untile)
+    for lin in linears:
+        lin.__dict__.pop("_tiled_by", None)
     return True
+
+
+def tiles_of(module) -> Optional[object]:
+    """The block whose tiling holds ``module``'s weights (``module`` itself for a tiled head), or None."""
+    return module.__dict__.get("_tiled_by")
 
 
 def is_tiled(block) -> bool:

@@ -36,14 +36,14 @@ class NativeCpuProvider:
         return native.tiled_requested() and bool(self._ext.tiled_weights_supported())
 
     def quantized_matmul(self, x, w, scales, biases, *, group_size: int, bits: int, mode: str = "affine",
-                         residual: Optional[mx.array] = None) -> Optional[mx.array]:
+                         residual: Optional[mx.array] = None, tiled: bool = False) -> Optional[mx.array]:
         # MLX's affine 4/8-bit format, groups 32/64/128, float x/scales: (..., K) x (N, K)^T -> (..., N),
-        # + residual (float32, the output's shape: a skip connection) when given.
+        # + residual (float32, the output's shape: a skip connection) when given; tiled: w in row tiles.
         if mode != "affine" or biases is None:
             return None
         try:
             return self._ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits,
-                                              residual=residual)
+                                              residual=residual, tiled=tiled)
         except _REJECTED:
             return None
 
@@ -99,13 +99,15 @@ class NativeCpuProvider:
             return None
 
     def quantized_embedding(self, ids, w, scales, biases, *, group_size: int, bits: int,
-                            mode: str = "affine") -> Optional[mx.array]:
-        """``nn.QuantizedEmbedding``'s lookup (3 gathers + dequantize in MLX, ~30 CPU ops) as one op."""
+                            mode: str = "affine", tiled: bool = False) -> Optional[mx.array]:
+        """``nn.QuantizedEmbedding``'s lookup (3 gathers + dequantize in MLX, ~30 CPU ops) as one op; tiled: the
+        table in row tiles."""
         if mode != "affine" or biases is None:
             return None
         try:
             # ids (...) -> (..., dim)
-            return self._ext.quantized_embedding(ids, w, scales, biases, group_size=group_size, bits=bits)
+            return self._ext.quantized_embedding(ids, w, scales, biases, group_size=group_size, bits=bits,
+                                                 tiled=tiled)
         except _REJECTED:
             return None
 

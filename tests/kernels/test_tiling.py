@@ -6,9 +6,11 @@ keeps it."""
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as cache_lib
+from mlx_lm.models import llama
 
 from kernel_cases import tiny_llama
 from mlxinfer import native as native_mod
@@ -20,6 +22,19 @@ def tiles(native):
     if not native.tiled_weights():
         pytest.skip(f"this kernel set does not read tiles ({native_mod.extension().isa()})")
     return native
+
+
+def llama_with_head(tied: bool) -> nn.Module:
+    """tiny_llama's shapes with a vocabulary of 320 (whole tiles), the head tied to the embedding or not."""
+    mx.random.seed(3)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=320, rope_theta=10000.0, tie_word_embeddings=tied,
+    )
+    model = llama.Model(args)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
 
 
 def run(model, tokens=(1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31), steps=32):
@@ -122,3 +137,53 @@ def test_selfcheck_reports_tiles_count(tiles):
     patch.apply_kernels(model, "auto")
     assert tiled_blocks(model) == 2
     assert selfcheck.tile_checked(model) == (0, [])  # already tiled: nothing more to do
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_lm_head_in_tiles(tiles, monkeypatch, tied):
+    model = llama_with_head(tied)
+    original = weights(model)
+    monkeypatch.setenv("MLXINFER_TILED", "0")
+    patch.apply_kernels(model, "auto")
+    expected = run(model)
+    monkeypatch.delenv("MLXINFER_TILED")
+    report = patch.apply_kernels(model, "auto")
+    assert "2 decoder layers' and the LM head's 4-bit weights in row tiles" in report.detail, report.detail
+    head = model.model.embed_tokens if tied else model.lm_head
+    assert tiling.tiles_of(head) is head
+    if not tied:  # the untied input embedding is read a row at a time: left as it is
+        assert tiling.tiles_of(model.model.embed_tokens) is None
+    got = run(model)
+    assert float(mx.abs(got - expected).max() / mx.abs(expected).max()) < 1e-4
+    ids = mx.array([[0, 5, 17, 160, 319]])
+    rows = model.model.embed_tokens(ids)
+    patch.apply_kernels(model, "builtin")
+    assert all(mx.array_equal(v, original[k]).item() for k, v in weights(model).items())
+    assert mx.array_equal(rows, model.model.embed_tokens(ids)).item()  # the tiled lookup is exact
+
+
+def test_a_tiled_blocks_linear_called_alone_untiles_the_block(tiles):
+    model = tiny_llama()
+    patch.apply_kernels(model, "auto")
+    block = model.model.layers[0]
+    q = block.self_attn.q_proj
+    assert tiling.tiles_of(q) is block
+    x = mx.random.normal((1, 2, 128))
+    y = q(x)  # not through the op: the block's weights go back first
+    assert not tiling.is_tiled(block) and tiling.tiles_of(q) is None
+    patch.apply_kernels(model, "builtin")
+    assert mx.allclose(y, q(x), atol=1e-3, rtol=1e-3).item()
+
+
+def test_a_head_whose_tiles_disagree_keeps_mlx_layout(tiles, monkeypatch):
+    model = llama_with_head(True)
+    patch.apply_kernels(model, "builtin")
+    expected = run(model, steps=3)
+    tile, untile = tiling.tile, tiling.untile
+    monkeypatch.setattr(tiling, "tile", lambda w, s, b: tile(w, s * 2, b))
+    monkeypatch.setattr(tiling, "untile", lambda w, s, b: (lambda u: (u[0], u[1] / 2, u[2]))(untile(w, s, b)))
+    report = patch.apply_kernels(model, "auto")
+    assert "self-check: the fused path of model.embed_tokens" in report.detail, report.detail
+    assert tiling.tiles_of(model.model.embed_tokens) is None
+    got = run(model, steps=3)
+    assert mx.allclose(got, expected, atol=2e-3, rtol=2e-3).item(), float(mx.abs(got - expected).max())
