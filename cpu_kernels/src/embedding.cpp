@@ -30,9 +30,9 @@ void scale_row(const mx::array& a, int64_t row, int ng, float* dst) {
 
 // Row t of a table in row tiles (qmm_vnni_tiled.cpp: tile t / 16 holds each word of its 16 rows side by side, bytes
 // 1 and 2 swapped; scales/biases side by side per group) back in MLX's layout: words into wr, scales into sr/br.
-void untile_row(const uint8_t* w, const mx::array& s, const mx::array& b, int64_t t, int K, int ng, uint32_t* wr,
-                float* sr, float* br) {
-  const int nw = K / 8, lane = static_cast<int>(t % kTileRows);
+void untile_row(const uint8_t* w, const mx::array& s, const mx::array& b, int64_t t, int K, int bits, int ng,
+                uint32_t* wr, float* sr, float* br) {
+  const int nw = K * bits / 32, lane = static_cast<int>(t % kTileRows);
   const int64_t tile = t / kTileRows;
   const auto* words = reinterpret_cast<const uint32_t*>(w);
   for (int j = 0; j < nw; ++j) {
@@ -53,7 +53,7 @@ void gather_rows(const mx::array& ids, const uint8_t* w, const mx::array& s, con
   const size_t row_bytes = (size_t)K * bits / 8;
   const int ng = K / group_size;
   std::vector<float> sr(ng), br(ng);
-  std::vector<uint32_t> words(tiled ? K / 8 : 0);
+  std::vector<uint32_t> words(tiled ? K * bits / 32 : 0);
   for (size_t i = 0; i < ids.size(); ++i) {
     const int64_t t = static_cast<int64_t>(id[i]);
     float* o = out + i * K;
@@ -63,7 +63,7 @@ void gather_rows(const mx::array& ids, const uint8_t* w, const mx::array& s, con
     }
     const uint8_t* wr = w + t * row_bytes;
     if (tiled) {
-      untile_row(w, s, b, t, K, ng, words.data(), sr.data(), br.data());
+      untile_row(w, s, b, t, K, bits, ng, words.data(), sr.data(), br.data());
       wr = reinterpret_cast<const uint8_t*>(words.data());
     } else {
       scale_row(s, t, ng, sr.data());
@@ -133,7 +133,7 @@ mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx
   if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != K / group_size ||
       biases.shape() != scales.shape())
     fail("scales/biases must have shape (vocab, dim / group_size)");
-  if (tiled && (bits != 4 || w.shape(0) % kTileRows != 0)) fail("a tiled table has 4-bit rows, a multiple of 16");
+  if (tiled && w.shape(0) % kTileRows != 0) fail("a tiled table has a multiple of 16 rows");
   mx::Shape shape = ids.shape();
   shape.push_back(K);
   return mx::array(shape, mx::float32,

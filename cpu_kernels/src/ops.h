@@ -14,8 +14,8 @@ namespace mlxinfer_cpu {
 
 // Same result as mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)
 // (affine mode): x (..., K) times the quantized (N, K) weight -> (..., N), plus `residual` (float32, the output's
-// shape) when given. Runs on the CPU stream. tiled: w/scales/biases are in row tiles (qmm_vnni_tiled.cpp; 4-bit,
-// N a multiple of 16, a kernel set with tiled_weights_supported()).
+// shape) when given. Runs on the CPU stream. tiled: w/scales/biases are in row tiles (qmm_vnni_tiled.cpp; N a
+// multiple of 16, a kernel set with tiled_weights_supported(); 8-bit tiles run 8 x rows at a time).
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits,
                            const std::optional<mx::array>& residual = std::nullopt, bool tiled = false);
@@ -50,7 +50,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
                const std::optional<mx::array>& offsets = std::nullopt);
 
 // nn.QuantizedEmbedding's lookup: ids (any shape, integer) -> dequantized rows (..., dim) float32 (scales/biases
-// float32, float16 or bfloat16). Out-of-range ids give zero rows. tiled: the table is in row tiles (4-bit).
+// float32, float16 or bfloat16). Out-of-range ids give zero rows. tiled: the table is in row tiles.
 mx::array quantized_embedding(const mx::array& ids, const mx::array& w, const mx::array& scales,
                               const mx::array& biases, int group_size, int bits, bool tiled = false);
 

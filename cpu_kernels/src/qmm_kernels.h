@@ -38,7 +38,7 @@ struct QmmArgs {
   // KernelSet::int8_x kernels: x rounded to int8 per weight group, (M, kpad) in the set's order (avx2i8: the 4-bit
   // xq order above; avx512vnnii8: qmm_vnni_i8.cpp), with xd/xcorr/xsum as above.
   const int8_t* xb = nullptr;
-  // 4-bit weights in row tiles (qmm_vnni_tiled.cpp has the layout): decode runs KernelSet::qmv_tiled, prefill the
+  // Weights in row tiles (qmm_vnni_tiled.cpp has the layout): decode runs KernelSet::qmv_tiled, 4-bit prefill the
   // integer GEMM's tiled repack (qmm_avx2i8gemm.cpp); N and every task's rows are multiples of kTileRows.
   bool tiled = false;
 };

@@ -1,4 +1,4 @@
-// AVX-512 VNNI decode matvecs on row-tiled 4-bit weights (this file alone is compiled with the VNNI set's flags).
+// AVX-512 VNNI decode matvecs on row-tiled 4- and 8-bit weights (this file alone is compiled with the VNNI flags).
 //
 // Why: a decode matvec over MLX's row-major weights reduces every output row on its own: a per-row setup (the
 // row's scales times x's group scales, its bias terms), one float scaling per group and lane layout, a horizontal
@@ -17,6 +17,8 @@
 //   one broadcast int16 pair of x, into a plain and a x16 accumulator (vpdpwssd).
 //   int8 x (QmmArgs::xb, prep_x8_tiled below: each word's x as [x0, x4, x2, x6, x1, x5, x3, x7]): (v & 0x0F)
 //   holds (q0, q4, q2, q6), (v & 0xF0) 16 (q1, q5, q3, q7) (vpdpbusd).
+// 8-bit weights (the LM head; word j = elements 4j..4j+3, bytes (q0, q2, q1, q3) after the swap): int16 x in order
+// against (v & 0x00FF00FF) = (q0, q1) and (v >> 8 & 0x00FF00FF) = (q2, q3); int8 x as [x0, x2, x1, x3] against v.
 // Per group, with x ~= d * xq as in the row kernels (qmm_vnni_i8.cpp explains the centring term):
 //   out[m, n] += s[n, g] * (d[m, g] * sum_k q * xq + xcorr[m, g]) + b[n, g] * xsum[m, g]
 #include <immintrin.h>
@@ -41,24 +43,42 @@ static inline __m512 tile_scales(const void* base, ScaleType t, size_t off) {
                              : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Output rows [16 t, 16 t + 16) for MM x rows; I8: int8 x (xb), else int16 x (xq).
-template <int MM, int GS, bool I8>
+// Output rows [16 t, 16 t + 16) for MM x rows of BITS-bit weights; I8: int8 x (xb), else int16 x (xq).
+template <int MM, int GS, bool I8, int BITS>
 static inline void tile_rows(const QmmArgs& a, int t) {
-  constexpr int kWords = GS / 8;  // words per group
+  constexpr int kWords = GS * BITS / 32;  // words per group
   const int K = a.K, ng = K / GS, gp = a.gpad;
-  const uint8_t* w = a.w + (size_t)t * kTileRows * (K / 2);  // this tile: K / 8 words of 64 bytes
+  const uint8_t* w = a.w + (size_t)t * kTileRows * ((size_t)K * BITS / 8);  // this tile: its words, 64 bytes each
   const size_t soff = (size_t)t * kTileRows * ng;
   __m512 acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low = I8 ? _mm512_set1_epi8(0x0F) : _mm512_set1_epi32(0x000F000F);
+  const __m512i low = BITS == 8 ? _mm512_set1_epi32(0x00FF00FF)
+                      : I8      ? _mm512_set1_epi8(0x0F)
+                                : _mm512_set1_epi32(0x000F000F);
   for (int g = 0; g < ng; ++g) {
-    __m512i lo[MM], hi[MM];  // plain and x16 integer sums of this group
+    __m512i lo[MM], hi[MM];  // two integer sums of this group (4-bit: plain and x16)
     for (int m = 0; m < MM; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
     for (int j = g * kWords; j < (g + 1) * kWords; ++j) {
       const char* p = reinterpret_cast<const char*>(w) + (size_t)j * 64;
       _mm_prefetch(p + kPrefetch, _MM_HINT_T0);  // one tile is one stream: a line per word, kPrefetch ahead
       const __m512i v = _mm512_loadu_si512(p);
-      if constexpr (I8) {
+      if constexpr (BITS == 8 && I8) {  // bytes (q0, q2, q1, q3) against x [x0, x2, x1, x3]; even/odd words apart
+        for (int m = 0; m < MM; ++m) {
+          const int32_t xw = *reinterpret_cast<const int32_t*>(a.xb + (size_t)m * a.kpad + (size_t)j * 4);
+          if (j & 1) {
+            hi[m] = _mm512_dpbusd_epi32(hi[m], v, _mm512_set1_epi32(xw));
+          } else {
+            lo[m] = _mm512_dpbusd_epi32(lo[m], v, _mm512_set1_epi32(xw));
+          }
+        }
+      } else if constexpr (BITS == 8) {  // int16 pairs (q0, q1) and (q2, q3) against x in order
+        const __m512i w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi32(v, 8), low);
+        for (int m = 0; m < MM; ++m) {
+          const int32_t* x32 = reinterpret_cast<const int32_t*>(a.xq + (size_t)m * a.kpad + (size_t)j * 4);
+          lo[m] = _mm512_dpwssd_epi32(lo[m], w0, _mm512_set1_epi32(x32[0]));
+          hi[m] = _mm512_dpwssd_epi32(hi[m], w1, _mm512_set1_epi32(x32[1]));
+        }
+      } else if constexpr (I8) {
         const __m512i wl = _mm512_and_si512(v, low), wh = _mm512_andnot_si512(low, v);
         for (int m = 0; m < MM; ++m) {
           const int8_t* x = a.xb + (size_t)m * a.kpad + (size_t)j * 8;
@@ -87,8 +107,8 @@ static inline void tile_rows(const QmmArgs& a, int t) {
     const __m512 s = tile_scales(a.scales, a.stype, so), b = tile_scales(a.biases, a.stype, so);
     for (int m = 0; m < MM; ++m) {
       const size_t xg = (size_t)m * gp + g;
-      // hi holds 16 x its products exactly, so the shift is exact.
-      const __m512i sum = _mm512_add_epi32(lo[m], _mm512_srai_epi32(hi[m], 4));
+      // 4-bit: hi holds 16 x its products exactly, so the shift is exact.
+      const __m512i sum = _mm512_add_epi32(lo[m], BITS == 4 ? _mm512_srai_epi32(hi[m], 4) : hi[m]);
       const __m512 dq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a.xd[xg]), _mm512_set1_ps(a.xcorr[xg]));
       acc[m] = _mm512_fmadd_ps(s, dq, _mm512_fmadd_ps(b, _mm512_set1_ps(a.xsum[xg]), acc[m]));
     }
@@ -100,16 +120,15 @@ template <bool I8>
 struct Tiles {
   template <int MM, int BITS, int GS>
   static void run(const QmmArgs& a, int n0, int n1) {
-    static_assert(BITS == 4, "tiled weights are 4-bit");
     // More than 4 x rows: two passes, so that each pass's integer sums and float results stay in registers.
     constexpr int P = MM <= 4 ? MM : 4;
     const QmmArgs rest = past_x_rows(a, P);
     for (int t = n0 / kTileRows; t < n1 / kTileRows; ++t) {
-      tile_rows<P, GS, I8>(a, t);
+      tile_rows<P, GS, I8, BITS>(a, t);
       if constexpr (MM > P) {
         QmmArgs r = rest;
         r.out = a.out + (size_t)P * a.N;
-        tile_rows<MM - P, GS, I8>(r, t);
+        tile_rows<MM - P, GS, I8, BITS>(r, t);
       }
     }
   }
@@ -117,18 +136,23 @@ struct Tiles {
 
 // Rows [n0, n1), multiples of kTileRows: int8 x when the caller prepared it (xb), else int16 x.
 static void qmv(const QmmArgs& a, int n0, int n1) {
+  if (a.bits == 8) {
+    if (a.xb != nullptr) return dispatch_qmv<Tiles<true>, 8>(a, n0, n1);
+    return dispatch_qmv<Tiles<false>, 8>(a, n0, n1);
+  }
   if (a.xb != nullptr) return dispatch_qmv<Tiles<true>, 4>(a, n0, n1);
   dispatch_qmv<Tiles<false>, 4>(a, n0, n1);
 }
 
-// x rounded to int8 per weight group as prep_x8 (qmm_vnni_i8.cpp) does, each word's 8 values stored as
-// [x0, x4, x2, x6, x1, x5, x3, x7] (the tiled words' nibble order, above); kpad a multiple of 8.
+// x rounded to int8 per weight group as prep_x8 (qmm_vnni_i8.cpp) does, in the tiled words' order (above): for
+// 4-bit weights each word's 8 values as [x0, x4, x2, x6, x1, x5, x3, x7], for 8-bit its 4 as [x0, x2, x1, x3];
+// kpad a multiple of 16.
 static void prep_x8(const float* x, int M, int K, int gs, int bits, int kpad, int gpad, int8_t* xb, float* xd,
                     float* xcorr, float* xsum) {
-  (void)bits;  // 4-bit only (the centring term below)
-  (void)kpad;
   const int ng = K / gs;
-  const __m512i order = _mm512_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15);
+  const float off = bits == 4 ? 8.f : 128.f;
+  const __m512i order = bits == 4 ? _mm512_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15)
+                                  : _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
   for (int m = 0; m < M; ++m) {
     const float* xr = x + (size_t)m * K;
     int8_t* dst = xb + (size_t)m * kpad;
@@ -155,7 +179,7 @@ static void prep_x8(const float* x, int M, int K, int gs, int bits, int kpad, in
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (size_t)g * gs + v), _mm512_cvtsepi32_epi8(q));
       }
       xd[o] = amax / 127.f;
-      xcorr[o] = 8.f * (xsum[o] - xd[o] * static_cast<float>(_mm512_reduce_add_epi32(isum)));
+      xcorr[o] = off * (xsum[o] - xd[o] * static_cast<float>(_mm512_reduce_add_epi32(isum)));
     }
   }
 }

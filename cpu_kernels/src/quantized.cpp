@@ -316,12 +316,22 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     a.biases = ws[i].biases->data<char>() + row0 * (K / group_size) * sitem;
     a.out = ws[i].out;
     a.tiled = ws[i].tiled;
-    if (a.tiled != ws[0].tiled || (a.tiled && (bits != 4 || a.N % kTileRows != 0)))
-      throw std::invalid_argument("[mlxinfer_cpu] tiled weights: 4-bit, N a multiple of 16, all of a call alike");
+    if (a.tiled != ws[0].tiled || (a.tiled && a.N % kTileRows != 0))
+      throw std::invalid_argument("[mlxinfer_cpu] tiled weights: N a multiple of 16, all of a call alike");
   }
   const bool tiled = nw > 0 && ws[0].tiled;
-  if (tiled && !(ks.qmv_tiled && ks.int16_x && (M <= 8 || ks.qmm_i16)))
+  if (tiled && !(ks.qmv_tiled && ks.int16_x && (M <= 8 || bits == 8 || ks.qmm_i16)))
     throw std::invalid_argument(std::string("[mlxinfer_cpu] kernel set ") + ks.isa + " does not read tiled weights");
+  if (tiled && bits == 8 && M > 8) {
+    // No prefill GEMM reads 8-bit tiles (a tiled 8-bit weight is an LM head: its prefill is one row): the decode
+    // matvec, 8 x rows at a time.
+    for (int m0 = 0; m0 < M; m0 += 8) {
+      std::vector<QWeight> part = ws;
+      for (int i = 0; i < nw; ++i) part[i].out = ws[i].out + (size_t)m0 * args[i].N;
+      qmm_float(xf + (size_t)m0 * K, std::min(8, M - m0), K, part, group_size, bits);
+    }
+    return;
+  }
   const int T = pool.size();
   // Read once: the branch below and the GEMM it picks must agree even if set_int8_prefill runs meanwhile.
   const bool i8 = bits == 4 && ks.qmm_i8 && int8_prefill.load(std::memory_order_relaxed);
@@ -484,9 +494,9 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                            const mx::array& biases, int group_size, int bits, const std::optional<mx::array>& residual,
                            bool tiled) {
   const int N = check_quantized_weight(x, w, scales, biases, group_size, bits, "quantized_matmul");
-  if (tiled && (bits != 4 || N % kTileRows != 0 || !tiled_weights_supported()))
-    throw std::invalid_argument("[mlxinfer_cpu.quantized_matmul] tiled weights need 4 bits, N a multiple of 16 and "
-                                "a kernel set that reads them (tiled_weights_supported)");
+  if (tiled && (N % kTileRows != 0 || !tiled_weights_supported()))
+    throw std::invalid_argument("[mlxinfer_cpu.quantized_matmul] tiled weights need N a multiple of 16 and a kernel "
+                                "set that reads them (tiled_weights_supported)");
   mx::Shape shape = x.shape();
   shape.back() = N;
   const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());

@@ -12,8 +12,8 @@ capabilities it has (``kernels.provider``), and then, per module instance of thi
 * routes every other mlx-lm attention module's ``scaled_dot_product_attention`` through the provider
   (``layers.routed_attention_class``: the module's code with its own copy of the globals);
 * runs the load-time self-check (``kernels.selfcheck``), which turns off what disagrees with mlx-lm's code;
-* where the provider reads them (``TiledWeights``), puts the one-op layers' 4-bit weights in row tiles
-  (``kernels.tiling``, checked against the same layer on MLX's layout);
+* where the provider reads them (``TiledWeights``), puts the one-op layers' 4-bit weights and the LM head in row
+  tiles (``kernels.tiling``, each checked against itself on MLX's layout);
 * on the CPU, settles the dtype of each quantized layer's scales/biases (:func:`settle_scales`).
 
 Nothing outside ``model`` changes: another model in the process (a bench peer, the model before chat's
@@ -133,7 +133,7 @@ def _apply(model: nn.Module, mode: str) -> KernelReport:
     if tiled or heads:
         what = [f"{tiled} decoder layers'"] if tiled else []
         what += ["the LM head's"] if heads else []
-        why_not.append(f"{' and '.join(what)} 4-bit weights in row tiles")
+        why_not.append(f"{' and '.join(what)} weights in row tiles")
     why_not += [f"{n} decoder layers not as one op: {why}" for why, n in block_why_not.items()]
     why_not += [f.line() for f in findings]
     validated = eligibility.mlx_lm_validated()

@@ -99,7 +99,7 @@ def tile_checked(model: nn.Module) -> tuple[int, list[Finding]]:
 
 def tile_heads(model: nn.Module) -> tuple[int, list[Finding]]:
     """Row tiles for the LM head: a tied embedding whose lookup is the provider's (``_kernel_lookup``) or an
-    ``lm_head`` linear, 4-bit, rows a multiple of 16. Its output on random rows must not move (and the lookup not
+    ``lm_head`` linear, 4- or 8-bit, rows a multiple of 16. Its output on random rows must not move (and the lookup not
     at all), else it keeps MLX's layout and a finding says so. Returns (heads tiled, findings)."""
     tiled, findings = 0, []
     modules = model.named_modules()
@@ -109,7 +109,7 @@ def tile_heads(model: nn.Module) -> tuple[int, list[Finding]]:
         embedding = (type(m) is KernelQuantizedEmbedding and m.__dict__.get("_kernel_lookup", False)
                      and not untied)
         linear = type(m) is KernelQuantizedLinear and path.rpartition(".")[2] == "lm_head"
-        if not (embedding or linear) or not tiling.tileable(m) or tiling.tiles_of(m) is not None:
+        if not (embedding or linear) or not tiling.tileable(m, (4, 8)) or tiling.tiles_of(m) is not None:
             continue
         x = mx.random.normal((3, m["weight"].shape[1] * 32 // m.bits), key=mx.random.key(SEED))
         ids = mx.array([0, 1, m["weight"].shape[0] // 2, m["weight"].shape[0] - 1])

@@ -1,4 +1,4 @@
-"""4-bit weights in row tiles: the layout the native decode matvecs read fastest on AVX-512 VNNI CPUs.
+"""Quantized weights in row tiles: the layout the native decode matvecs read fastest on AVX-512 VNNI CPUs.
 
 Why: a decode matvec over MLX's row-major weights reduces each output row on its own (a per-row setup, a float
 scaling per group, a horizontal sum); with 16 rows side by side, one int32 lane per row, those become one vector
@@ -27,9 +27,9 @@ def _swap_middle_bytes(w: mx.array) -> mx.array:
 
 
 def tile(w: mx.array, scales: mx.array, biases: mx.array) -> tuple:
-    """(w, scales, biases) of a 4-bit (N, K) weight in row tiles; N a multiple of 16."""
+    """(w, scales, biases) of a quantized (N, K) weight in row tiles; N a multiple of 16."""
     n = w.shape[0]
-    assert n % ROWS == 0 and w.dtype == mx.uint32, "tile: a uint32 (N, K/8) weight with N a multiple of 16"
+    assert n % ROWS == 0 and w.dtype == mx.uint32, "tile: a uint32 (N, words) weight with N a multiple of 16"
 
     def t(a):  # (N, c) -> (N/16, c, 16) -> (N, c)
         return a.reshape(n // ROWS, ROWS, -1).transpose(0, 2, 1).reshape(n, -1)
@@ -47,9 +47,11 @@ def untile(w: mx.array, scales: mx.array, biases: mx.array) -> tuple:
     return _swap_middle_bytes(u(w)), u(scales), u(biases)
 
 
-def tileable(linear) -> bool:
-    """An affine 4-bit quantized layer (scales and biases per group) whose output rows fill whole tiles."""
-    return (getattr(linear, "bits", None) == 4 and getattr(linear, "mode", "affine") == "affine"
+def tileable(linear, bits: tuple = (4,)) -> bool:
+    """An affine quantized layer of ``bits`` (scales and biases per group) whose output rows fill whole tiles. The
+    one-op layers take 4-bit tiles (their prefill GEMM reads those); a head 4- or 8-bit ones (its prefill is one
+    row, and 8-bit tiles run 8 x rows at a time)."""
+    return (getattr(linear, "bits", None) in bits and getattr(linear, "mode", "affine") == "affine"
             and "biases" in linear and linear["weight"].shape[0] % ROWS == 0)
 
 

@@ -195,8 +195,8 @@ def decode_problem() -> Optional[str]:
 
 
 def tiled_requested() -> bool:
-    """MLXINFER_TILED: one-op layers' 4-bit weights in row tiles where the kernel set reads them (kernels.tiling):
-    on unless it is 0 (an unknown value keeps it on; tiled_problem() names it)."""
+    """MLXINFER_TILED: one-op layers' 4-bit weights and the LM head in row tiles where the kernel set reads them
+    (kernels.tiling): on unless it is 0 (an unknown value keeps it on; tiled_problem() names it)."""
     return os.environ.get("MLXINFER_TILED", "").strip() != "0"
 
 

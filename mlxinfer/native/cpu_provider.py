@@ -29,7 +29,7 @@ class NativeCpuProvider:
         return native.report_notes()
 
     def tiled_weights(self) -> bool:
-        """The VNNI kernel sets read one-op layers' 4-bit weights in row tiles (kernels.tiling), unless
+        """The VNNI kernel sets read one-op layers' 4-bit weights and LM heads in row tiles (kernels.tiling), unless
         ``MLXINFER_TILED=0``."""
         from mlxinfer import native
 

@@ -24,15 +24,19 @@ def tiles(native):
     return native
 
 
-def llama_with_head(tied: bool) -> nn.Module:
-    """tiny_llama's shapes with a vocabulary of 320 (whole tiles), the head tied to the embedding or not."""
+def llama_with_head(tied: bool, head_bits: int = 4) -> nn.Module:
+    """tiny_llama's shapes with a vocabulary of 320 (whole tiles), the head tied to the embedding or not, 4- or
+    8-bit (as GGUF imports often store it)."""
     mx.random.seed(3)
     args = llama.ModelArgs(
         model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=320, rope_theta=10000.0, tie_word_embeddings=tied,
     )
     model = llama.Model(args)
-    nn.quantize(model, group_size=32, bits=4)
+    head = "model.embed_tokens" if tied else "lm_head"
+    nn.quantize(model, group_size=32, bits=4,
+                class_predicate=lambda path, m: hasattr(m, "to_quantized") and (
+                    {"group_size": 32, "bits": head_bits} if path == head else True))
     mx.eval(model.parameters())
     return model
 
@@ -64,7 +68,7 @@ def test_tiled_model_matches_row_major_and_comes_back(tiles, monkeypatch):
     expected = run(model)
     monkeypatch.delenv("MLXINFER_TILED")
     report = patch.apply_kernels(model, "auto")
-    assert "2 decoder layers' 4-bit weights in row tiles" in report.detail, report.detail
+    assert "2 decoder layers' weights in row tiles" in report.detail, report.detail
     assert tiled_blocks(model) == 2
     q = model.model.layers[0].self_attn.q_proj
     assert not mx.array_equal(q["weight"], original["model.layers.0.self_attn.q_proj.weight"]).item()
@@ -139,18 +143,18 @@ def test_selfcheck_reports_tiles_count(tiles):
     assert selfcheck.tile_checked(model) == (0, [])  # already tiled: nothing more to do
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_the_lm_head_in_tiles(tiles, monkeypatch, tied):
-    model = llama_with_head(tied)
+@pytest.mark.parametrize("tied,bits", [(True, 4), (False, 4), (True, 8), (False, 8)])
+def test_the_lm_head_in_tiles(tiles, monkeypatch, tied, bits):
+    model = llama_with_head(tied, bits)
     original = weights(model)
     monkeypatch.setenv("MLXINFER_TILED", "0")
     patch.apply_kernels(model, "auto")
     expected = run(model)
     monkeypatch.delenv("MLXINFER_TILED")
     report = patch.apply_kernels(model, "auto")
-    assert "2 decoder layers' and the LM head's 4-bit weights in row tiles" in report.detail, report.detail
+    assert "2 decoder layers' and the LM head's weights in row tiles" in report.detail, report.detail
     head = model.model.embed_tokens if tied else model.lm_head
-    assert tiling.tiles_of(head) is head
+    assert tiling.tiles_of(head) is head and head.bits == bits
     if not tied:  # the untied input embedding is read a row at a time: left as it is
         assert tiling.tiles_of(model.model.embed_tokens) is None
     got = run(model)
