@@ -179,48 +179,28 @@ static void qmv(const QmmArgs& a, int n0, int n1) {
 // 128.
 static void prep_x8(const float* x, int M, int K, int gs, int bits, int kpad, int gpad, int8_t* xb, float* xd,
                     float* xcorr, float* xsum) {
-  const int ng = K / gs;
-  const float off = bits == 4 ? 8.f : 128.f;
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  for (int m = 0; m < M; ++m) {
+  prep_int8_rows(x, M, K, gs, bits, gpad, xd, xcorr, xsum, [&](int m, int g, __m512 inv) {
     const float* xr = x + (size_t)m * K;
     int8_t* dst = xb + (size_t)m * kpad;
-    for (int g = 0; g < ng; ++g) {
-      const float* xg = xr + (size_t)g * gs;
-      __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
-      for (int v = 0; v < gs; v += 16) {
-        const __m512 xv = _mm512_loadu_ps(xg + v);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(xv));
-        vsum = _mm512_add_ps(vsum, xv);
-      }
-      const float amax = _mm512_reduce_max_ps(vmax);
-      const size_t o = (size_t)m * gpad + g;
-      xsum[o] = _mm512_reduce_add_ps(vsum);
-      if (!(amax > 0.f) || !std::isfinite(amax)) {  // all zero: nothing to add; inf/nan: let d carry it
-        xd[o] = amax > 0.f ? amax : 0.f;
-        continue;  // xq stays zero
-      }
-      const __m512 inv = _mm512_set1_ps(127.f / amax);
-      __m512i isum = _mm512_setzero_si512();
-      for (int e = g * gs; e < (g + 1) * gs && bits == 8; e += 16) {  // 8-bit: in order
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + e), inv));
-        isum = _mm512_add_epi32(isum, q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e), _mm512_cvtsepi32_epi8(q));
-      }
-      for (int e = g * gs; e < (g + 1) * gs && bits == 4; e += 32) {
-        const __m512 a = _mm512_loadu_ps(xr + e), b = _mm512_loadu_ps(xr + e + 16);
-        const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, even, b), inv));
-        const __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, odd, b), inv));
-        isum = _mm512_add_epi32(isum, _mm512_add_epi32(qe, qo));
-        int8_t* blk = dst + (size_t)(e / 128) * 128 + (e % 128) / 2;  // this 32-chunk's 16 evens, then its 16 odds
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(blk), _mm512_cvtsepi32_epi8(qe));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 64), _mm512_cvtsepi32_epi8(qo));
-      }
-      xd[o] = amax / 127.f;
-      xcorr[o] = off * (xsum[o] - xd[o] * static_cast<float>(_mm512_reduce_add_epi32(isum)));
+    __m512i isum = _mm512_setzero_si512();
+    for (int e = g * gs; e < (g + 1) * gs && bits == 8; e += 16) {  // 8-bit: in order
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + e), inv));
+      isum = _mm512_add_epi32(isum, q);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e), _mm512_cvtsepi32_epi8(q));
     }
-  }
+    for (int e = g * gs; e < (g + 1) * gs && bits == 4; e += 32) {
+      const __m512 a = _mm512_loadu_ps(xr + e), b = _mm512_loadu_ps(xr + e + 16);
+      const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, even, b), inv));
+      const __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, odd, b), inv));
+      isum = _mm512_add_epi32(isum, _mm512_add_epi32(qe, qo));
+      int8_t* blk = dst + (size_t)(e / 128) * 128 + (e % 128) / 2;  // this 32-chunk's 16 evens, then its 16 odds
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(blk), _mm512_cvtsepi32_epi8(qe));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 64), _mm512_cvtsepi32_epi8(qo));
+    }
+    return isum;
+  });
 }
 
 }  // namespace isa_vnni_i8

@@ -149,39 +149,19 @@ static void qmv(const QmmArgs& a, int n0, int n1) {
 // kpad a multiple of 16.
 static void prep_x8(const float* x, int M, int K, int gs, int bits, int kpad, int gpad, int8_t* xb, float* xd,
                     float* xcorr, float* xsum) {
-  const int ng = K / gs;
-  const float off = bits == 4 ? 8.f : 128.f;
   const __m512i order = bits == 4 ? _mm512_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13, 11, 15)
                                   : _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-  for (int m = 0; m < M; ++m) {
-    const float* xr = x + (size_t)m * K;
-    int8_t* dst = xb + (size_t)m * kpad;
-    for (int g = 0; g < ng; ++g) {
-      const float* xg = xr + (size_t)g * gs;
-      __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
-      for (int v = 0; v < gs; v += 16) {
-        const __m512 xv = _mm512_loadu_ps(xg + v);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(xv));
-        vsum = _mm512_add_ps(vsum, xv);
-      }
-      const float amax = _mm512_reduce_max_ps(vmax);
-      const size_t o = (size_t)m * gpad + g;
-      xsum[o] = _mm512_reduce_add_ps(vsum);
-      if (!(amax > 0.f) || !std::isfinite(amax)) {  // all zero: nothing to add; inf/nan: let d carry it
-        xd[o] = amax > 0.f ? amax : 0.f;
-        continue;  // xq stays zero
-      }
-      const __m512 inv = _mm512_set1_ps(127.f / amax);
-      __m512i isum = _mm512_setzero_si512();
-      for (int v = 0; v < gs; v += 16) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutexvar_ps(order, _mm512_loadu_ps(xg + v)), inv));
-        isum = _mm512_add_epi32(isum, q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (size_t)g * gs + v), _mm512_cvtsepi32_epi8(q));
-      }
-      xd[o] = amax / 127.f;
-      xcorr[o] = off * (xsum[o] - xd[o] * static_cast<float>(_mm512_reduce_add_epi32(isum)));
+  vnni_helpers::prep_int8_rows(x, M, K, gs, bits, gpad, xd, xcorr, xsum, [&](int m, int g, __m512 inv) {
+    const float* xg = x + (size_t)m * K + (size_t)g * gs;
+    int8_t* dst = xb + (size_t)m * kpad + (size_t)g * gs;
+    __m512i isum = _mm512_setzero_si512();
+    for (int v = 0; v < gs; v += 16) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutexvar_ps(order, _mm512_loadu_ps(xg + v)), inv));
+      isum = _mm512_add_epi32(isum, q);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + v), _mm512_cvtsepi32_epi8(q));
     }
-  }
+    return isum;
+  });
 }
 
 }  // namespace isa_vnni_tiled

@@ -6,6 +6,7 @@
 #include <cpuid.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -56,6 +57,38 @@ __attribute__((always_inline)) static inline void row_setup(const QmmArgs& a, in
       }
     }
   }
+}
+
+// The int8 decode x of the VNNI int8 kernels (qmm_vnni_i8.cpp's rows, qmm_vnni_tiled.cpp's tiles): each weight group
+// of each row rounded with d = max|x| / 127 (round to nearest even), as llama.cpp's Q8_0. Per group this fills xsum
+// (exact), xd and xcorr = off * (xsum - d * sum xq) (off = 8 for 4-bit weights, 128 for 8-bit: the centring term);
+// quantize(m, g, inv) rounds the group's values times inv in the caller's layout, stores them and returns their
+// int32 sum (16 lanes). An all-zero group keeps xq zero; inf/nan goes into d. The caller zeroes the buffers.
+template <class Quantize>
+static inline void prep_int8_rows(const float* x, int M, int K, int gs, int bits, int gpad, float* xd, float* xcorr,
+                                  float* xsum, Quantize quantize) {
+  const int ng = K / gs;
+  const float off = bits == 4 ? 8.f : 128.f;
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < ng; ++g) {
+      const float* xg = x + (size_t)m * K + (size_t)g * gs;
+      __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+      for (int v = 0; v < gs; v += 16) {
+        const __m512 xv = _mm512_loadu_ps(xg + v);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(xv));
+        vsum = _mm512_add_ps(vsum, xv);
+      }
+      const float amax = _mm512_reduce_max_ps(vmax);
+      const size_t o = (size_t)m * gpad + g;
+      xsum[o] = _mm512_reduce_add_ps(vsum);
+      if (!(amax > 0.f) || !std::isfinite(amax)) {  // all zero: nothing to add; inf/nan: let d carry it
+        xd[o] = amax > 0.f ? amax : 0.f;
+        continue;  // xq stays zero
+      }
+      const __m512i isum = quantize(m, g, _mm512_set1_ps(127.f / amax));
+      xd[o] = amax / 127.f;
+      xcorr[o] = off * (xsum[o] - xd[o] * static_cast<float>(_mm512_reduce_add_epi32(isum)));
+    }
 }
 
 // Prefetch distance in bytes (Dec 6, 600 MB of 8192 x 2048 matrices cycled, GB/s: none 14.6, 1024 18.8, 2048 20.6,

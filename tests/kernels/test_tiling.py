@@ -55,6 +55,13 @@ def weights(model) -> dict:
     return {k: v for k, v in tree_flatten(model.parameters())}
 
 
+def break_tiles(monkeypatch) -> None:
+    """A tiled path that computes something else: tiles whose scales are doubled (undone by untiling)."""
+    tile, untile = tiling.tile, tiling.untile
+    monkeypatch.setattr(tiling, "tile", lambda w, s, b: tile(w, s * 2, b))
+    monkeypatch.setattr(tiling, "untile", lambda w, s, b: (lambda u: (u[0], u[1] / 2, u[2]))(untile(w, s, b)))
+
+
 def tiled_blocks(model) -> int:
     return sum(tiling.is_tiled(b) for b in model.model.layers)
 
@@ -99,10 +106,7 @@ def test_a_tiled_path_that_disagrees_keeps_mlx_layout(tiles, monkeypatch):
     original = weights(model)
     patch.apply_kernels(model, "builtin")
     expected = run(model, steps=3)
-    tile, untile = tiling.tile, tiling.untile
-    # A tiled path that computes something else (here: tiles whose scales are doubled, undone by untiling).
-    monkeypatch.setattr(tiling, "tile", lambda w, s, b: tile(w, s * 2, b))
-    monkeypatch.setattr(tiling, "untile", lambda w, s, b: (lambda u: (u[0], u[1] / 2, u[2]))(untile(w, s, b)))
+    break_tiles(monkeypatch)
     report = patch.apply_kernels(model, "auto")
     assert "disagreed with itself on MLX's layout" in report.detail and "row tiles" in report.detail, report.detail
     assert "decoder layers as one op" in report.detail and tiled_blocks(model) == 0
@@ -183,9 +187,7 @@ def test_a_head_whose_tiles_disagree_keeps_mlx_layout(tiles, monkeypatch):
     model = llama_with_head(True)
     patch.apply_kernels(model, "builtin")
     expected = run(model, steps=3)
-    tile, untile = tiling.tile, tiling.untile
-    monkeypatch.setattr(tiling, "tile", lambda w, s, b: tile(w, s * 2, b))
-    monkeypatch.setattr(tiling, "untile", lambda w, s, b: (lambda u: (u[0], u[1] / 2, u[2]))(untile(w, s, b)))
+    break_tiles(monkeypatch)
     report = patch.apply_kernels(model, "auto")
     assert "self-check: the fused path of model.embed_tokens" in report.detail, report.detail
     assert tiling.tiles_of(model.model.embed_tokens) is None
