@@ -30,8 +30,9 @@ void scale_row(const mx::array& a, int64_t row, int ng, float* dst) {
 
 // Row t of a table in row tiles (qmm_vnni_tiled.cpp: tile t / 16 holds each word of its 16 rows side by side, bytes
 // 1 and 2 swapped; scales/biases side by side per group) back in MLX's layout: words into wr, scales into sr/br.
+// tmp: scratch for one tile's scales (ng * 16 floats).
 void untile_row(const uint8_t* w, const mx::array& s, const mx::array& b, int64_t t, int K, int bits, int ng,
-                uint32_t* wr, float* sr, float* br) {
+                uint32_t* wr, float* sr, float* br, std::vector<float>& tmp) {
   const int nw = K * bits / 32, lane = static_cast<int>(t % kTileRows);
   const int64_t tile = t / kTileRows;
   const auto* words = reinterpret_cast<const uint32_t*>(w);
@@ -39,7 +40,7 @@ void untile_row(const uint8_t* w, const mx::array& s, const mx::array& b, int64_
     const uint32_t v = words[((size_t)tile * nw + j) * kTileRows + lane];
     wr[j] = (v & 0xFF0000FFu) | ((v & 0x0000FF00u) << 8) | ((v >> 8) & 0x0000FF00u);
   }
-  std::vector<float> tmp((size_t)ng * kTileRows);  // the tile's values of every group (16 each), then this row's
+  tmp.resize((size_t)ng * kTileRows);  // the tile's values of every group (16 each), then this row's
   scale_row(s, tile, ng * kTileRows, tmp.data());
   for (int g = 0; g < ng; ++g) sr[g] = tmp[(size_t)g * kTileRows + lane];
   scale_row(b, tile, ng * kTileRows, tmp.data());
@@ -54,6 +55,7 @@ void gather_rows(const mx::array& ids, const uint8_t* w, const mx::array& s, con
   const int ng = K / group_size;
   std::vector<float> sr(ng), br(ng);
   std::vector<uint32_t> words(tiled ? K * bits / 32 : 0);
+  std::vector<float> tile_scales;
   for (size_t i = 0; i < ids.size(); ++i) {
     const int64_t t = static_cast<int64_t>(id[i]);
     float* o = out + i * K;
@@ -63,7 +65,7 @@ void gather_rows(const mx::array& ids, const uint8_t* w, const mx::array& s, con
     }
     const uint8_t* wr = w + t * row_bytes;
     if (tiled) {
-      untile_row(w, s, b, t, K, bits, ng, words.data(), sr.data(), br.data());
+      untile_row(w, s, b, t, K, bits, ng, words.data(), sr.data(), br.data(), tile_scales);
       wr = reinterpret_cast<const uint8_t*>(words.data());
     } else {
       scale_row(s, t, ng, sr.data());

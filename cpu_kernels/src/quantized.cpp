@@ -320,7 +320,7 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
       throw std::invalid_argument("[mlxinfer_cpu] tiled weights: N a multiple of 16, all of a call alike");
   }
   const bool tiled = nw > 0 && ws[0].tiled;
-  if (tiled && !(ks.qmv_tiled && ks.int16_x && (M <= 8 || bits == 8 || ks.qmm_i16)))
+  if (tiled && !tiled_weights_supported())
     throw std::invalid_argument(std::string("[mlxinfer_cpu] kernel set ") + ks.isa + " does not read tiled weights");
   if (tiled && bits == 8 && M > 8) {
     // No prefill GEMM reads 8-bit tiles (a tiled 8-bit weight is an LM head: its prefill is one row): the decode

@@ -91,8 +91,7 @@ def tile(block) -> bool:
 def leave_one_op(block) -> None:
     """Before a block's call runs anything but the one op (its per-op path, the module's own code): its weights
     back in MLX's layout if they were tiled, for good (the op reads them so too)."""
-    if "_tiled" in block.__dict__:
-        tiling.untile_block(block)
+    tiling.untile_block(block)
 
 
 def native_block(block, x: mx.array, mask, cache, q_scale: Optional[mx.array] = None) -> Optional[mx.array]:

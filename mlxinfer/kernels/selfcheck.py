@@ -88,8 +88,8 @@ def tile_checked(model: nn.Module) -> tuple[int, list[Finding]]:
             after = _run(first, first, xs)
         if not tiling.is_tiled(first):  # the op did not take the check's call, and put the weights back
             continue
-        error = max(float(mx.abs(a - b).max()) / (float(mx.abs(b).max()) or 1.0) for a, b in zip(after, before))
-        if not error <= TOLERANCE:  # NaN too
+        error = _relative_error(after, before)
+        if error > TOLERANCE:
             tiling.untile_block(first)
             findings.append(Finding(where, len(members), error, "MLX's weight layout", "row tiles"))
             continue
@@ -120,10 +120,10 @@ def tile_heads(model: nn.Module) -> tuple[int, list[Finding]]:
             tiling.tile_block(m, [m])
             after = run()
             mx.eval(after)
-        error = max(float(mx.abs(a - b).max()) / (float(mx.abs(b).max()) or 1.0) for a, b in zip(after, before))
+        error = _relative_error(after, before)
         if embedding and not mx.array_equal(after[1], before[1]).item():
-            error = max(error, float("inf"))
-        if tiling.tiles_of(m) is not m or not error <= TOLERANCE:  # a path that declined, or disagreed
+            error = float("inf")
+        if tiling.tiles_of(m) is not m or error > TOLERANCE:  # a path that declined, or disagreed
             tiling.untile_block(m)
             findings.append(Finding(path, 1, error, "MLX's weight layout", "row tiles"))
             continue
@@ -297,8 +297,13 @@ def _error(m: nn.Module) -> float:
     base = builtin_class(type(m))
     with _unfused_view(m):
         reference = _run(m, lambda *a, **k: base.__call__(m, *a, **k), xs)
+    return _relative_error(fused, reference)
+
+
+def _relative_error(got: list, reference: list) -> float:
+    """The largest |got - reference| of each pair relative to that reference's largest magnitude; inf for NaN."""
     worst = 0.0
-    for f, r in zip(fused, reference):
+    for f, r in zip(got, reference):
         scale = float(mx.abs(r).max()) or 1.0
         worst = max(worst, float(mx.abs(f.astype(mx.float32) - r.astype(mx.float32)).max()) / scale)
     return worst if worst == worst else float("inf")  # NaN: a broken path

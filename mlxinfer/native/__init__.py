@@ -184,9 +184,9 @@ def decode_problem() -> Optional[str]:
     value = os.environ.get("MLXINFER_DECODE", "")
     if value == "" or value == "int16":
         return None
-    if value != "int8":
+    if value not in DECODE_MODES:
         return (f"MLXINFER_DECODE={value!r} is not a decode mode and is ignored (decode keeps int16 x); set "
-                "MLXINFER_DECODE=int8 or int16, or unset it")
+                f"MLXINFER_DECODE={' or '.join(DECODE_MODES)}, or unset it")
     module = _load()
     if module is not None and _base_isa(module) not in INT8_DECODE_SETS:
         return (f"MLXINFER_DECODE=int8 has no effect: the kernel set {_base_isa(module)} has no int8 decode "
