@@ -36,6 +36,7 @@
 #include "ops.h"
 #include "qmm_float.h"
 #include "qmm_kernels.h"
+#include "threadpool.h"
 
 namespace mlxinfer_cpu::layer {
 
@@ -59,31 +60,40 @@ void norm_rows(const LayerPlan& p, const mx::array& w, const float* x, float* y,
   rms_norm_rows(x, wd, y, rows, D, eps);
 }
 
-// out[r, i] = act(g[r, i]) * u[r, i]; g and u rows `stride` apart (a fused gate_up: u = g + I, stride 2I). In place
-// (out == g) is safe row by row: row r's output ends before row r + 1's input starts. g and u are scratch: GELU
+// out[r, i] = act(g[r, i]) * u[r, i]; g and u rows `stride` apart (a fused gate_up: u = g + I, stride 2I). out
+// rows are I apart and must not overlap g or u (rows run in parallel for a prompt). g and u are scratch: GELU
 // rewrites them.
 void act_mul(int act, float* g, float* u, float* out, size_t rows, int I, size_t stride) {
-  if (act == 1) {
-    // GELU-tanh through the vectorised SiLU kernel: 0.5 a (1 + tanh(z)) = a sigmoid(2z), z = k0 a (1 + c a^2), so
-    // gelu(a) b = silu(g') u' with g' = 2z and u' = b a / 2z = b / (2 k0 (1 + c a^2)) (never 0 / 0): a loop the
-    // compiler vectorises and the ISA's SiLU instead of a scalar std::tanh per element.
-    const float k2 = 2.f * std::sqrt(2.f / static_cast<float>(M_PI)), c = 0.044715f;
-    for (size_t r = 0; r < rows; ++r) {
-      float* gr = g + r * stride;
-      float* ur = u + r * stride;
-      for (int i = 0; i < I; ++i) {
-        const float a = gr[i], t = k2 * (1.f + c * a * a);
-        gr[i] = a * t;
-        ur[i] = ur[i] / t;
+  parallel_rows(rows, 8 * (size_t)I, [&](size_t r0, size_t r1) {
+    if (act == 1) {
+      // GELU-tanh through the vectorised SiLU kernel: 0.5 a (1 + tanh(z)) = a sigmoid(2z), z = k0 a (1 + c a^2), so
+      // gelu(a) b = silu(g') u' with g' = 2z and u' = b a / 2z = b / (2 k0 (1 + c a^2)) (never 0 / 0): a loop the
+      // compiler vectorises and the ISA's SiLU instead of a scalar std::tanh per element.
+      const float k2 = 2.f * std::sqrt(2.f / static_cast<float>(M_PI)), c = 0.044715f;
+      for (size_t r = r0; r < r1; ++r) {
+        float* gr = g + r * stride;
+        float* ur = u + r * stride;
+        for (int i = 0; i < I; ++i) {
+          const float a = gr[i], t = k2 * (1.f + c * a * a);
+          gr[i] = a * t;
+          ur[i] = ur[i] / t;
+        }
       }
     }
-  }
-  // The vectorised SiLU kernel, per row when gate and up interleave by rows (fused gate_up).
-  if (stride == (size_t)I) {
-    select_kernels().silu_mul(g, u, out, rows * I);
-  } else {
-    for (size_t r = 0; r < rows; ++r) select_kernels().silu_mul(g + r * stride, u + r * stride, out + r * I, I);
-  }
+    // The vectorised SiLU kernel, per row when gate and up interleave by rows (fused gate_up).
+    if (stride == (size_t)I) {
+      select_kernels().silu_mul(g + r0 * I, u + r0 * I, out + r0 * I, (r1 - r0) * I);
+    } else {
+      for (size_t r = r0; r < r1; ++r) select_kernels().silu_mul(g + r * stride, u + r * stride, out + r * I, I);
+    }
+  });
+}
+
+// a[i] += b[i] over rows of E (the residual connections).
+void add_rows(float* a, const float* b, size_t rows, int E) {
+  parallel_rows(rows, E, [&](size_t r0, size_t r1) {
+    for (size_t i = r0 * E; i < r1 * E; ++i) a[i] += b[i];
+  });
 }
 
 // starts (null, or B ints): a left-padded batch (mlx-lm's BatchKVCache): row b's first key is at buffer index
@@ -107,7 +117,9 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   const bool half = kbuf.dtype() == mx::float16;
   const size_t n_stage = half ? n_kv : 0;
   const size_t n_qkv = fused_qkv ? (size_t)rows * (qd + 2 * kvd) : 0;
-  mx::array scratch(mx::Shape{static_cast<int>(2 * n_xn + 3 * n_q + 2 * n_kv + 2 * n_stage + 2 * n_i + n_qkv)},
+  const size_t n_act = fused_gu ? n_i : 0;
+  mx::array scratch(
+      mx::Shape{static_cast<int>(2 * n_xn + 3 * n_q + 2 * n_kv + 2 * n_stage + 2 * n_i + n_qkv + n_act)},
                     mx::float32, nullptr, {});
   scratch.set_data(mx::allocator::malloc(scratch.nbytes()));
   float* xn = scratch.data<float>();  // (rows, E): norm_a(x), later norm_m(h), the sandwich norms' outputs
@@ -119,9 +131,10 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   float* fv = fk + n_kv;
   float* kh = fv + n_kv;              // float16 cache only: this step's k (RoPE'd) and v in (B, Hkv, L, D)
   float* vh = kh + n_stage;
-  float* g = vh + n_stage;            // (rows, I) gate then act(gate) * up; with gate_up (rows, 2I) from g on
-  float* u = g + n_i;
+  float* g = vh + n_stage;            // (rows, I) gate; with gate_up (rows, 2I) from g on
+  float* u = g + n_i;                 // (rows, I) up, then act(gate) * up
   float* fqkv = u + n_i;              // (rows, Hq*D + 2*Hkv*D): a fused qkv projection's output
+  float* act = fused_gu ? fqkv + n_qkv : u;  // (rows, I): act(gate) * up, apart from a fused gate_up's rows
   const float* xf = x.data<float>();
   std::vector<float> wtmp;
   const float* periods = p.at[sFreqs] >= 0 ? in[p.at[sFreqs]].data<float>() : nullptr;
@@ -182,11 +195,15 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   } else {
     scatter_heads(fk, kh, B, L, hkv, d, rope, offset, periods, L, 0, rp);
     scatter_heads(fv, vh, B, L, hkv, d, no_rope, 0, nullptr, L, 0);
-    for (int bh = 0; bh < B * hkv; ++bh) {
-      const size_t src = (size_t)bh * L * d, dst = ((size_t)bh * cap + write) * d * sizeof(uint16_t);
-      convert_floats(kh + src, mx::float32, kbuf.data<char>() + dst, mx::float16, (size_t)L * d);
-      convert_floats(vh + src, mx::float32, vbuf.data<char>() + dst, mx::float16, (size_t)L * d);
-    }
+    // Rows (b, h, l) of d: this step's positions of each head, to the pool for a prompt.
+    parallel_rows((size_t)B * hkv * L, 4 * (size_t)d, [&](size_t r0, size_t r1) {
+      for (size_t r = r0; r < r1; ++r) {
+        const size_t bh = r / L, l = r % L;
+        const size_t src = r * d, dst = ((bh * cap + write + l) * d) * sizeof(uint16_t);
+        convert_floats(kh + src, mx::float32, kbuf.data<char>() + dst, mx::float16, (size_t)d);
+        convert_floats(vh + src, mx::float32, vbuf.data<char>() + dst, mx::float16, (size_t)d);
+      }
+    });
   }
 
   // Attention over the buffer's keys [first, write + L) (in order, query l at write + l): all of them, or for a
@@ -226,27 +243,27 @@ void run_layer(std::vector<mx::array>& in, mx::array& out, const LayerPlan& p, i
   } else {
     qmm_float(attn, rows, qd, {qw(in, p, lO, h)}, gs, bits);
   }
-  for (size_t i = 0; i < n_xn; ++i) h[i] += xf[i];
+  add_rows(h, xf, rows, E);
   const float* hm = h;  // the MLP's input: norm_m(h), or h itself (OLMo)
   if (p.at[sMlpNorm] >= 0) {
     norm_rows(p, in[p.at[sMlpNorm]], h, xn, rows, E, p.eps, wtmp);
     hm = xn;
   }
   if (fused_gu) {  // Phi-3: gate | up in one projection
-    qmm_float(hm, rows, E, {qw(in, p, lGateUp, g)}, gs, bits);
-    act_mul(p.act, g, g + I, g, rows, I, 2 * (size_t)I);
+    qmm_float(hm, rows, E, {qw(in, p, lGateUp, g)}, gs, bits);  // (rows, 2I) from g on
+    act_mul(p.act, g, g + I, act, rows, I, 2 * (size_t)I);
   } else {
     qmm_float(hm, rows, E, {qw(in, p, lGate, g), qw(in, p, lUp, u)}, gs, bits);
-    act_mul(p.act, g, u, g, rows, I, I);
+    act_mul(p.act, g, u, act, rows, I, I);
   }
   float* y = out.data<float>();
   if (p.at[sMlpOutNorm] >= 0) {
-    qmm_float(g, rows, I, {qw(in, p, lDown, xn)}, gs, bits);
+    qmm_float(act, rows, I, {qw(in, p, lDown, xn)}, gs, bits);
     norm_rows(p, in[p.at[sMlpOutNorm]], xn, y, rows, E, p.eps, wtmp);
   } else {
-    qmm_float(g, rows, I, {qw(in, p, lDown, y)}, gs, bits);
+    qmm_float(act, rows, I, {qw(in, p, lDown, y)}, gs, bits);
   }
-  for (size_t i = 0; i < n_xn; ++i) y[i] += h[i];
+  add_rows(y, h, rows, E);
 }
 
 }  // namespace

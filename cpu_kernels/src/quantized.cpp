@@ -135,6 +135,22 @@ void prep_int_x(int M, int K, int group_size, int kalign, std::vector<QmmArgs>& 
   }
 }
 
+// The integer GEMM's x preparation (rows independent, row-major buffers: q (mpad, K), d (mpad, K / 32), sum and
+// corr (mpad, K / gs)) in row chunks on the pool, the padding rows [M, mpad) zeroed once.
+template <typename Q>
+void prep_gemm_rows(void (*prep)(const float*, int, int, int, int, Q*, float*, float*, float*), const float* xf, int M,
+                    int K, int gs, int mpad, Q* q, float* d, float* sum, float* corr) {
+  const size_t nblk = K / 32, ng = K / gs;
+  parallel_rows(M, 4 * (size_t)K, [&](size_t r0, size_t r1) {
+    const int n = static_cast<int>(r1 - r0);
+    prep(xf + r0 * K, n, K, gs, n, q + r0 * K, d + r0 * nblk, sum + r0 * ng, corr + r0 * ng);
+  });
+  std::memset(q + (size_t)M * K, 0, (size_t)(mpad - M) * K * sizeof(Q));
+  std::fill(d + (size_t)M * nblk, d + (size_t)mpad * nblk, 0.f);
+  std::fill(sum + (size_t)M * ng, sum + (size_t)mpad * ng, 0.f);
+  std::fill(corr + (size_t)M * ng, corr + (size_t)mpad * ng, 0.f);
+}
+
 void prep_int16_x(const KernelSet& ks, const float* xf, int M, int K, int group_size, int bits,
                   std::vector<QmmArgs>& args) {
   prep_int_x<int16_t>(M, K, group_size, 64, args, &QmmArgs::xq,
@@ -424,10 +440,10 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     XInt8 xi{nullptr, d, d + nd, d + nd + ns, mpad};
     if (i8) {
       xi.q = static_cast<int8_t*>(q);
-      ks.prep_x8_gemm(xf, M, K, group_size, mpad, static_cast<int8_t*>(q), d, d + nd, d + nd + ns);
+      prep_gemm_rows(ks.prep_x8_gemm, xf, M, K, group_size, mpad, static_cast<int8_t*>(q), d, d + nd, d + nd + ns);
     } else {
       xi.q16 = static_cast<int16_t*>(q);
-      ks.prep_x16_gemm(xf, M, K, group_size, mpad, static_cast<int16_t*>(q), d, d + nd, d + nd + ns);
+      prep_gemm_rows(ks.prep_x16_gemm, xf, M, K, group_size, mpad, static_cast<int16_t*>(q), d, d + nd, d + nd + ns);
     }
     const QmmI8Fn gemm = i8 ? ks.qmm_i8 : ks.qmm_i16;
     scratch.resize((size_t)T * kPackN * kKc);

@@ -77,6 +77,8 @@ constexpr uint64_t kTaskMask = (uint64_t(1) << kTaskBits) - 1;
 inline uint64_t job_gen(uint64_t j) { return j >> (2 * kTaskBits); }
 inline int job_ntasks(uint64_t j) { return static_cast<int>((j >> kTaskBits) & kTaskMask); }
 inline int job_next(uint64_t j) { return static_cast<int>(j & kTaskMask); }
+// Set while this thread runs a task: a job started from inside one runs inline (never waits on the pool it holds).
+thread_local bool tl_in_task = false;
 }  // namespace
 
 void SpinPool::work(uint64_t gen, int thread_index) {
@@ -84,7 +86,9 @@ void SpinPool::work(uint64_t gen, int thread_index) {
   while (job_gen(j) == gen && job_next(j) < job_ntasks(j)) {
     if (!job_.compare_exchange_weak(j, j + 1, std::memory_order_acq_rel)) continue;
     // fn_ stays valid: the caller waits for this task before it returns.
+    tl_in_task = true;
     (*fn_)(job_next(j), thread_index);
+    tl_in_task = false;
     done_.fetch_add(1, std::memory_order_acq_rel);
     j = job_.load(std::memory_order_acquire);
   }
@@ -125,8 +129,9 @@ void SpinPool::worker_loop(int index, uint64_t seen) {
 
 void SpinPool::run(int ntasks, const std::function<void(int, int)>& fn) {
   if (ntasks <= 0) return;
-  std::unique_lock<std::mutex> guard(run_mutex_, std::try_to_lock);
-  if (!guard.owns_lock() || workers_.empty() || ntasks == 1 || ntasks > static_cast<int>(kTaskMask)) {
+  std::unique_lock<std::mutex> guard(run_mutex_, std::defer_lock);
+  if (!tl_in_task) guard.try_lock();
+  if (tl_in_task || !guard.owns_lock() || workers_.empty() || ntasks == 1 || ntasks > static_cast<int>(kTaskMask)) {
     for (int t = 0; t < ntasks; ++t) fn(t, 0);
     return;
   }
@@ -150,6 +155,20 @@ void SpinPool::run(int ntasks, const std::function<void(int, int)>& fn) {
     if (++spins > 2000) std::this_thread::yield();
   }
   fn_ = nullptr;
+}
+
+void parallel_rows(size_t rows, size_t cost, const std::function<void(size_t, size_t)>& fn) {
+  // ~16k float ops (a few microseconds) or more: a pool job (~1 us to start and join) pays.
+  constexpr size_t kMinWork = 16384;
+  SpinPool& pool = SpinPool::get();
+  const size_t T = static_cast<size_t>(pool.size());
+  if (T <= 1 || rows < 2 || rows * cost < kMinWork) {
+    if (rows > 0) fn(0, rows);
+    return;
+  }
+  const size_t chunk = (rows + 2 * T - 1) / (2 * T);
+  const int tasks = static_cast<int>((rows + chunk - 1) / chunk);
+  pool.run(tasks, [&](int t, int) { fn((size_t)t * chunk, std::min(rows, (size_t)(t + 1) * chunk)); });
 }
 
 }  // namespace mlxinfer_cpu

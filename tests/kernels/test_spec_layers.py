@@ -91,6 +91,36 @@ def test_fused_layers_match_builtin_over_prefill_and_decode(native, float_prefil
     patch.apply_kernels(model, "builtin")
 
 
+LONG_PROMPT = [(i * 7919) % 49000 + 3 for i in range(320)]
+
+
+@pytest.mark.parametrize("kv", ["float16", "float32"])
+@pytest.mark.parametrize("name", ["llama", "phi3", "gemma3_text", "qwen3"])
+def test_long_prompt_rows_on_the_pool_match_builtin(native, float_prefill, name, kv, monkeypatch):
+    """A 320-token prompt: enough rows that the layer op's row work (norms, RoPE, the float16 staging, activations,
+    residuals, the GEMM's x preparation) runs in chunks on the thread pool. Every prompt position's logits and 4
+    decode steps after it match the built-ins (phi3: the fused gate_up, whose activations go to their own rows)."""
+    monkeypatch.setenv("MLXINFER_KV_DTYPE", kv)
+    model = model_for(name)
+
+    def run():
+        cache = cache_lib.make_prompt_cache(model)
+        out = [model(mx.array([LONG_PROMPT]), cache=cache)[0]]
+        for t in (5, 99, 1234, 7):
+            out.append(model(mx.array([[t]]), cache=cache)[0])
+        mx.eval(out)
+        return mx.concatenate(out)
+
+    patch.apply_kernels(model, "builtin")
+    expected = run()
+    report = patch.apply_kernels(model, "auto")
+    assert f"{len(model.layers)} decoder layers as one op" in report.detail, report.detail
+    got = run()
+    err = float(mx.abs(got - expected).max()) / float(mx.abs(expected).max())
+    assert err < REL_TOL[kv], err
+    patch.apply_kernels(model, "builtin")
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_int8_prefill_within_its_tolerance(native, name, monkeypatch):
     """The opt-in int8 prefill (MLXINFER_PREFILL=int8; here switched on in-process): the same comparison with
