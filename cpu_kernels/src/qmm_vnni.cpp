@@ -108,6 +108,9 @@ static inline void qmv_row(const QmmArgs& a, int n, float* sd, float* rows) {
     const char* ahead = reinterpret_cast<const char*>(wu + kPrefetch);
     for (int l = 0; l < 2 * unit_bytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
     _mm_prefetch(ahead + 2 * unit_bytes - 1, _MM_HINT_T0);
+    // And 3 kPrefetch ahead into L2: more lines in flight (a thread reads DRAM latency-bound; Zen 4, in-model A/B
+    // call by call: +2-16% on the layers' matvecs, as the tiled kernel's).
+    for (int l = 0; l < 2 * unit_bytes; l += 64) _mm_prefetch(ahead + 2 * kPrefetch + l, _MM_HINT_T1);
     unit_dot<MM, BITS, GS>(a, wu, u, sd, acc0, false);
     unit_dot<MM, BITS, GS>(a, wu + unit_bytes, u + 1, sd, acc1, false);
   }
@@ -196,6 +199,8 @@ static inline void qmv_row2(const QmmArgs& a, int n, float* sd0, float* sd1, flo
     for (int l = (o + 63) / 64 * 64; l < o + unit_bytes; l += 64) {  // each cache line once, kPrefetch ahead
       _mm_prefetch(reinterpret_cast<const char*>(w0 + l + kPrefetch), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w1 + l + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + l + 3 * kPrefetch), _MM_HINT_T1);  // as in the loop above
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + l + 3 * kPrefetch), _MM_HINT_T1);
     }
     unit_dot2<MM, BITS, GS>(a, w0 + o, w1 + o, u, sd0, sd1, acc0, acc1, false);
   }
