@@ -24,8 +24,10 @@ NB_MODULE(_mlxinfer_cpu, m) {
   m.doc() = "mlxinfer native CPU kernels (MLX custom primitives)";
   m.def("quantized_matmul", &mlxinfer_cpu::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         nb::kw_only(), "group_size"_a, "bits"_a, "residual"_a = nb::none(), "tiled"_a = false,
+        "symmetric"_a = false,
         "Affine quantized x @ w.T on the CPU stream, as mx.quantized_matmul(transpose=True), + residual if given; "
-        "tiled: the weight is in row tiles (mlxinfer.kernels.tiling).");
+        "tiled: the weight is in row tiles (mlxinfer.kernels.tiling); symmetric: the caller promises biases == "
+        "-2**(bits-1) * scales exactly (tiled decode then reads no biases).");
   m.def("gather_qmm", &mlxinfer_cpu::gather_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a, nb::kw_only(),
         "group_size"_a, "bits"_a,
         "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) for affine-quantized experts "

@@ -45,6 +45,7 @@ namespace {
 QWeight qw(const std::vector<mx::array>& in, const LayerPlan& p, int l, float* out) {
   QWeight w{&in[p.lin(l)], &in[p.lin(l, 1)], &in[p.lin(l, 2)], out};
   w.tiled = p.tiled;
+  w.symmetric = p.symmetric;
   return w;
 }
 

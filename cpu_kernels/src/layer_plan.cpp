@@ -66,9 +66,11 @@ int decoder_layer_plan(const std::vector<std::string>& names, const std::map<std
   p.norm_offset = (float)get("norm_offset"), p.qk_whole = get("qk_norm_whole") != 0;
   p.q_row_scale = get("q_row_scale") != 0;
   p.tiled = config.count("tiled") && config.at("tiled") != 0;
-  if (config.size() != 18 + config.count("tiled")) fail("config has unknown keys");
+  p.symmetric = config.count("symmetric") && config.at("symmetric") != 0;
+  if (config.size() != 18 + config.count("tiled") + config.count("symmetric")) fail("config has unknown keys");
   if (p.tiled && (p.bits != 4 || !tiled_weights_supported()))
     fail("tiled weights need 4-bit linears and a kernel set that reads them (tiled_weights_supported)");
+  if (p.symmetric && !p.tiled) fail("symmetric is a promise about tiled weights: it needs \"tiled\"");
   if (p.hq <= 0 || p.hkv <= 0 || p.d <= 0 || p.hq % p.hkv) fail("heads must be positive, n_heads a multiple of n_kv_heads");
   if (p.rope_dims < 0 || p.rope_dims % 2 || p.rope_dims > p.d) fail("rope dims must be even and <= head_dim");
   if (p.act != 0 && p.act != 1) fail("activation is 0 (silu) or 1 (gelu_tanh)");

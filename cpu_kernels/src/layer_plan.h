@@ -29,6 +29,7 @@ struct LayerPlan {
   int gs, bits, hq, hkv, d, rope_dims, act, window, n_arrays;
   bool traditional, qk_whole, q_row_scale;  // q_row_scale: a q_scale input multiplies each query row
   bool tiled;  // the linears' weights are in row tiles (QmmArgs::tiled; config key "tiled", optional)
+  bool symmetric;  // every linear's biases == -8 * scales (QmmArgs::symmetric; key "symmetric", with "tiled")
   float base, rope_scale, rope_mscale, attn_scale, eps, qk_eps, norm_offset;
   int at[kSlots];  // input index of each slot (x is input 0, arrays follow), -1 when absent
   int lin(int l, int part = 0) const { return at[sLinear0 + 3 * l + part]; }

@@ -15,10 +15,12 @@ namespace mlxinfer_cpu {
 // Same result as mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)
 // (affine mode): x (..., K) times the quantized (N, K) weight -> (..., N), plus `residual` (float32, the output's
 // shape) when given. Runs on the CPU stream. tiled: w/scales/biases are in row tiles (qmm_vnni_tiled.cpp; N a
-// multiple of 16, a kernel set with tiled_weights_supported(); 8-bit tiles run 8 x rows at a time).
+// multiple of 16, a kernel set with tiled_weights_supported(); 8-bit tiles run 8 x rows at a time). symmetric:
+// the caller's promise that biases == -2^(bits-1) * scales exactly (QmmArgs::symmetric; tiled decode skips them).
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits,
-                           const std::optional<mx::array>& residual = std::nullopt, bool tiled = false);
+                           const std::optional<mx::array>& residual = std::nullopt, bool tiled = false,
+                           bool symmetric = false);
 
 // mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) (affine): w (E, N, K * bits / 32) a stack
 // of quantized experts, x (..., M, K) float32 and indices (...) integer broadcast over their batch dims ->

@@ -15,6 +15,7 @@ struct QWeight {
   float* out;  // (M, N) float32
   int expert = -1;  // >= 0: w/scales/biases hold one weight per expert (leading dim E); this one multiplies
   bool tiled = false;  // 4-bit weights in row tiles (QmmArgs::tiled); every weight of one call alike
+  bool symmetric = false;  // biases == -2^(bits-1) * scales (QmmArgs::symmetric)
 };
 
 // out_i = x @ dequant(w_i).T for weights sharing K, group_size and bits (N may differ): x (..., K) is prepared

@@ -21,6 +21,8 @@
 // against (v & 0x00FF00FF) = (q0, q1) and (v >> 8 & 0x00FF00FF) = (q2, q3); int8 x as [x0, x2, x1, x3] against v.
 // Per group, with x ~= d * xq as in the row kernels (qmm_vnni_i8.cpp explains the centring term):
 //   out[m, n] += s[n, g] * (d[m, g] * sum_k q * xq + xcorr[m, g]) + b[n, g] * xsum[m, g]
+// QmmArgs::symmetric (b = -off * s, off = 8 or 128: Q4_0 / Q8_0 imports): s[n, g] * (d * sum + xcorr - off * xsum),
+// the biases never read: 1/9 less traffic at group 32 with float16 scales (in-model A/B: decode steps +7-8%).
 #include <immintrin.h>
 
 #include <cmath>
@@ -108,12 +110,23 @@ static inline void tile_rows(const QmmArgs& a, int t) {
       }
     }
     const size_t so = soff + (size_t)g * kTileRows;
-    const __m512 s = tile_scales(a.scales, a.stype, so), b = tile_scales(a.biases, a.stype, so);
+    const __m512 s = tile_scales(a.scales, a.stype, so);
+    // 4-bit: hi holds 16 x its products exactly, so the shift is exact.
+    auto total = [&](int m) { return _mm512_add_epi32(lo[m], BITS == 4 ? _mm512_srai_epi32(hi[m], 4) : hi[m]); };
+    if (a.symmetric) {  // b = -off * s: out += s * (dq - off * xsum); the biases' lines are never fetched
+      for (int m = 0; m < MM; ++m) {
+        const size_t xg = (size_t)m * gp + g;
+        const float corr = a.xcorr[xg] - (BITS == 4 ? 8.f : 128.f) * a.xsum[xg];
+        const __m512 dq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total(m)), _mm512_set1_ps(a.xd[xg]), _mm512_set1_ps(corr));
+        acc[m] = _mm512_fmadd_ps(s, dq, acc[m]);
+      }
+      continue;
+    }
+    const __m512 b = tile_scales(a.biases, a.stype, so);
     for (int m = 0; m < MM; ++m) {
       const size_t xg = (size_t)m * gp + g;
-      // 4-bit: hi holds 16 x its products exactly, so the shift is exact.
-      const __m512i sum = _mm512_add_epi32(lo[m], BITS == 4 ? _mm512_srai_epi32(hi[m], 4) : hi[m]);
-      const __m512 dq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a.xd[xg]), _mm512_set1_ps(a.xcorr[xg]));
+      const __m512 dq =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(total(m)), _mm512_set1_ps(a.xd[xg]), _mm512_set1_ps(a.xcorr[xg]));
       acc[m] = _mm512_fmadd_ps(s, dq, _mm512_fmadd_ps(b, _mm512_set1_ps(a.xsum[xg]), acc[m]));
     }
   }

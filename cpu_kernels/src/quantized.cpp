@@ -58,8 +58,8 @@ namespace {
 
 class NativeQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  NativeQuantizedMatmul(mx::Stream s, int group_size, int bits, bool tiled)
-      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits), tiled_(tiled) {}
+  NativeQuantizedMatmul(mx::Stream s, int group_size, int bits, bool tiled, bool symmetric)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits), tiled_(tiled), symmetric_(symmetric) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -68,7 +68,8 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
   const char* name() const override { return "MlxinferQuantizedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const NativeQuantizedMatmul*>(&other);
-    return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->tiled_ == tiled_;
+    return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->tiled_ == tiled_ &&
+           o->symmetric_ == symmetric_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape s = inputs[0].shape();
@@ -80,6 +81,7 @@ class NativeQuantizedMatmul : public mx::UnaryPrimitive {
   int group_size_;
   int bits_;
   bool tiled_;
+  bool symmetric_;
 };
 
 template <typename T>
@@ -184,9 +186,10 @@ void store_out(mx::array& out, size_t count, F value) {
 }
 
 void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-             const mx::array& biases, mx::array& out, int group_size, int bits, bool tiled) {
+             const mx::array& biases, mx::array& out, int group_size, int bits, bool tiled, bool symmetric) {
   QWeight qw{&w, &scales, &biases, nullptr};
   qw.tiled = tiled;
+  qw.symmetric = symmetric;
   if (out.dtype() == mx::float32) {
     qw.out = out.data<float>();
     qmm_float(x, {qw}, group_size, bits);
@@ -249,9 +252,9 @@ void NativeSwiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
 
 void NativeQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int gs = group_size_, bits = bits_;
-  const bool tiled = tiled_;
-  dispatch_contiguous(stream(), inputs, out, [gs, bits, tiled](std::vector<mx::array>& in, mx::array& o) {
-    run_qmm(in[0], in[1], in[2], in[3], o, gs, bits, tiled);
+  const bool tiled = tiled_, symmetric = symmetric_;
+  dispatch_contiguous(stream(), inputs, out, [gs, bits, tiled, symmetric](std::vector<mx::array>& in, mx::array& o) {
+    run_qmm(in[0], in[1], in[2], in[3], o, gs, bits, tiled, symmetric);
     if (in.size() == 5) {  // + residual (float32, the output's shape): a transformer block's skip connection
       float* y = o.data<float>();
       const float* r = in[4].data<float>();
@@ -332,6 +335,7 @@ void qmm_float(const float* xf, int M, int K, const std::vector<QWeight>& ws, in
     a.biases = ws[i].biases->data<char>() + row0 * (K / group_size) * sitem;
     a.out = ws[i].out;
     a.tiled = ws[i].tiled;
+    a.symmetric = ws[i].symmetric;
     if (a.tiled != ws[0].tiled || (a.tiled && a.N % kTileRows != 0))
       throw std::invalid_argument("[mlxinfer_cpu] tiled weights: N a multiple of 16, all of a call alike");
   }
@@ -508,7 +512,7 @@ int check_quantized_weight(int x_k, const mx::array& w, const mx::array& scales,
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, const std::optional<mx::array>& residual,
-                           bool tiled) {
+                           bool tiled, bool symmetric) {
   const int N = check_quantized_weight(x, w, scales, biases, group_size, bits, "quantized_matmul");
   if (tiled && (N % kTileRows != 0 || !tiled_weights_supported()))
     throw std::invalid_argument("[mlxinfer_cpu.quantized_matmul] tiled weights need N a multiple of 16 and a kernel "
@@ -523,7 +527,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
     inputs.push_back(*residual);
   }
   return mx::array(shape, dtype,
-                   std::make_shared<NativeQuantizedMatmul>(mx::to_stream({}, mx::Device::cpu), group_size, bits, tiled),
+                   std::make_shared<NativeQuantizedMatmul>(mx::to_stream({}, mx::Device::cpu), group_size, bits, tiled,
+                                                          symmetric),
                    std::move(inputs));
 }
 

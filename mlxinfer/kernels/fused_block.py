@@ -69,22 +69,31 @@ def window_of(block) -> int:
     return plan.spec.sliding_window if plan is not None else 0
 
 
+def tile_linears(block) -> list:
+    """The quantized linears a prepared block's op reads (what :func:`tile` tiles); [] for an unprepared one."""
+    plan = block.__dict__.get("_native_plan")
+    return [] if plan is None else [o for o, k in plan.owners if k == "weight" and isinstance(o, nn.QuantizedLinear)]
+
+
 def tile(block) -> bool:
     """Put a prepared block's quantized linears in row tiles (``kernels.tiling``) and run it with a plan that reads
     them so; False (nothing changed) when a linear is not tileable or the provider refuses the plan."""
     plan = block.__dict__.get("_native_plan")
     if plan is None or tiling.is_tiled(block):
         return False
-    linears = [o for o, k in plan.owners if k == "weight" and isinstance(o, nn.QuantizedLinear)]
+    linears = tile_linears(block)
     if not linears or not all(tiling.tileable(q) for q in linears):
         return False
+    # Made once per block (its weights, so their symmetry, never change): a symmetric plan reads no biases.
+    symmetric = tiling.symmetric(linears)
     tiled_plan = plan.tiled_plan
     if tiled_plan is None:
-        tiled_plan = block._kernel_provider.decoder_layer_plan(plan.spec.names(), {**plan.spec.config(), "tiled": 1})
+        config = {**plan.spec.config(), "tiled": 1, **({"symmetric": 1} if symmetric else {})}
+        tiled_plan = block._kernel_provider.decoder_layer_plan(plan.spec.names(), config)
         if tiled_plan is None:
             return False
         block._native_plan = plan = replace(plan, tiled_plan=tiled_plan)
-    tiling.tile_block(block, linears)
+    tiling.tile_block(block, linears, symmetric)
     return True
 
 

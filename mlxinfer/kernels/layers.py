@@ -29,11 +29,13 @@ SDPA_NAME = "scaled_dot_product_attention"
 
 
 _TILED = {"tiled": True}
+_TILED_SYMMETRIC = {"tiled": True, "symmetric": True}
 _PLAIN: dict = {}
 
 
-def _tiles(m: nn.Module) -> dict:
-    """The provider keywords for ``m``'s weights: ``tiled=True`` when ``m`` is a tiled head (``kernels.tiling``).
+def _tiles(m: nn.Module, lookup: bool = False) -> dict:
+    """The provider keywords for ``m``'s weights: ``tiled=True`` when ``m`` is a tiled head (``kernels.tiling``),
+    and for its matmul ``symmetric=True`` when its biases are -2^(bits-1) * scales (``tiling.symmetric``).
     The linears of a tiled one-op block are read only by its op: called on their own, they put it back first."""
     owner = m.__dict__.get("_tiled_by")
     if owner is None:
@@ -41,7 +43,7 @@ def _tiles(m: nn.Module) -> dict:
     if owner is not m:
         tiling.untile_block(owner)
         return _PLAIN
-    return _TILED
+    return _TILED_SYMMETRIC if not lookup and tiling.is_symmetric(m) else _TILED
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
@@ -83,7 +85,7 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     _kernel_lookup: bool = False  # the provider has EmbeddingKernel (else the lookup is MLX's, the head ours)
 
     def __call__(self, x):
-        tiles = _tiles(self)
+        tiles = _tiles(self, lookup=True)
         y = self._kernel_provider.quantized_embedding(
             x, self["weight"], self["scales"], self.get("biases"), group_size=self.group_size, bits=self.bits,
             mode=self.mode, **tiles,

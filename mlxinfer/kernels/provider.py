@@ -165,7 +165,9 @@ class BatchedPositions(Protocol):
 class TiledWeights(Protocol):
     """``decoder_layer`` plans with ``"tiled": 1`` in their config read the layer's 4-bit linears in row tiles
     (``kernels.tiling``), which this CPU decodes faster; so do ``quantized_matmul(..., tiled=True)`` and
-    ``quantized_embedding(..., tiled=True)`` (the LM head)."""
+    ``quantized_embedding(..., tiled=True)`` (the LM head). ``"symmetric": 1`` in such a config and
+    ``quantized_matmul(..., symmetric=True)`` promise biases == -2^(bits-1) * scales (``tiling.symmetric``): the
+    kernels may then skip reading the biases."""
 
     def tiled_weights(self) -> bool:
         """Whether tiled plans run here now (the kernel set reads tiles, and the user did not turn them off)."""
@@ -185,7 +187,7 @@ _KEYWORDS = {
                      "qkv_rope": ("norm_weight", "norm_eps"), "swiglu": ("norm_weight", "norm_eps")},
     DecoderBlockKernel: {"decoder_layer": ("offset", "causal", "plan")},
     BatchedPositions: {"sdpa": ("start",)},
-    TiledWeights: {"quantized_matmul": ("tiled",), "quantized_embedding": ("tiled",)},
+    TiledWeights: {"quantized_matmul": ("tiled", "symmetric"), "quantized_embedding": ("tiled",)},
 }
 
 

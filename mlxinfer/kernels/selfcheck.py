@@ -72,29 +72,41 @@ def check_model(model: nn.Module) -> list[Finding]:
 
 
 def tile_checked(model: nn.Module) -> tuple[int, list[Finding]]:
-    """Put the one-op layers' 4-bit linears in row tiles (``fused_block.tile``), one configuration at a time: its
-    first layer's fused output on the check's input must not move (the tiled kernels sum in another order: ~1e-6),
-    else that configuration keeps MLX's layout and a finding says so. Returns (layers tiled, findings)."""
+    """Put the one-op layers' 4-bit linears in row tiles (``fused_block.tile``), one configuration at a time, and
+    within it one weight form at a time (symmetric weights get a plan that reads no biases): the first such
+    layer's fused output on the check's input must not move (the tiled kernels sum in another order: ~1e-6), else
+    those layers keep MLX's layout and a finding says so. Returns (layers tiled, findings)."""
     tiled, findings = 0, []
     for where, members in _groups(model).items():
-        first = members[0]
-        xs = _inputs(first)
-        if xs is None or "_native_plan" not in first.__dict__:
+        xs = _inputs(members[0])
+        if xs is None or "_native_plan" not in members[0].__dict__:
             continue
-        with _precise_activations():
-            before = _run(first, first, xs)
-            if not fused_block.tile(first):
+        forms = [tiling.symmetric(fused_block.tile_linears(m)) for m in members]
+        verdict: dict[bool, bool] = {}  # symmetric -> its first layer tiled and passed
+        for m, form in zip(members, forms):
+            if form in verdict:
+                tiled += verdict[form] and fused_block.tile(m)
                 continue
-            after = _run(first, first, xs)
-        if not tiling.is_tiled(first):  # the op did not take the check's call, and put the weights back
-            continue
-        error = _relative_error(after, before)
-        if error > TOLERANCE:
-            tiling.untile_block(first)
-            findings.append(Finding(where, len(members), error, "MLX's weight layout", "row tiles"))
-            continue
-        tiled += 1 + sum(fused_block.tile(m) for m in members[1:])
+            error = _tile_error(m, xs)
+            # None: not tileable, or the op did not take the check's call (the weights were put back)
+            verdict[form] = error is not None and error <= TOLERANCE
+            if error is not None and not verdict[form]:
+                tiling.untile_block(m)
+                findings.append(Finding(where, forms.count(form), error, "MLX's weight layout", "row tiles"))
+            tiled += verdict[form]
     return tiled, findings
+
+
+def _tile_error(m: nn.Module, xs) -> Optional[float]:
+    """How far ``m``'s fused output on ``xs`` moves when it is tiled (it stays tiled); None when it was not."""
+    with _precise_activations():
+        before = _run(m, m, xs)
+        if not fused_block.tile(m):
+            return None
+        after = _run(m, m, xs)
+    if not tiling.is_tiled(m):
+        return None
+    return _relative_error(after, before)
 
 
 def tile_heads(model: nn.Module) -> tuple[int, list[Finding]]:
@@ -117,7 +129,7 @@ def tile_heads(model: nn.Module) -> tuple[int, list[Finding]]:
         with _precise_activations():
             before = run()
             mx.eval(before)
-            tiling.tile_block(m, [m])
+            tiling.tile_block(m, [m], tiling.symmetric([m]))
             after = run()
             mx.eval(after)
         error = _relative_error(after, before)

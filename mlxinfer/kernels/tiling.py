@@ -55,6 +55,18 @@ def tileable(linear, bits: tuple = (4,)) -> bool:
             and "biases" in linear and linear["weight"].shape[0] % ROWS == 0)
 
 
+def symmetric(linears: Iterable) -> bool:
+    """Whether every one of ``linears`` has biases == -2^(bits-1) * scales exactly: a symmetric format (GGUF's Q4_0
+    and Q8_0 import so: w = d * (q - 8)). The tiled decode kernels then read no biases (``symmetric=True``):
+    1/9 less traffic at group 32 with float16 scales. Checked on the arrays, so nothing is assumed from a file type;
+    the product is exact unless it overflows, which makes the comparison fail (and the flag off)."""
+    if any("biases" not in lin for lin in linears):
+        return False
+    checks = [mx.array_equal(lin["biases"], lin["scales"] * -(2 ** (lin.bits - 1))) for lin in linears]
+    mx.eval(checks)
+    return bool(checks) and all(c.item() for c in checks)
+
+
 def _swap(linears: Iterable, fn) -> None:
     arrays = []
     for lin in linears:
@@ -65,12 +77,14 @@ def _swap(linears: Iterable, fn) -> None:
     mx.eval(arrays)
 
 
-def tile_block(block, linears: list) -> None:
+def tile_block(block, linears: list, is_symmetric: bool = False) -> None:
     """Puts ``linears`` (the block's QuantizedLinears, or ``[block]`` for a head) in row tiles and marks them: the
-    block holds them (``_tiled``), each names the block (``_tiled_by``), so a call on either can undo it."""
+    block holds them (``_tiled``), each names the block (``_tiled_by``), so a call on either can undo it.
+    ``is_symmetric``: what :func:`symmetric` said of them (the caller asks it once, before choosing a plan)."""
     _swap(linears, tile)
     # In __dict__ itself: nn.Module would keep a tuple of modules as a child (a second path to the linears).
     block.__dict__["_tiled"] = tuple(linears)
+    block.__dict__["_tiled_symmetric"] = is_symmetric
     for lin in linears:
         lin.__dict__["_tiled_by"] = block
 
@@ -78,6 +92,7 @@ def tile_block(block, linears: list) -> None:
 def untile_block(block) -> bool:
     """Puts a tiled block's linears back in MLX's layout; False when it was not tiled."""
     linears = block.__dict__.pop("_tiled", None)
+    block.__dict__.pop("_tiled_symmetric", None)
     if linears is None:
         return False
     _swap(linears, untile)
@@ -93,3 +108,8 @@ def tiles_of(module) -> Optional[object]:
 
 def is_tiled(block) -> bool:
     return block.__dict__.get("_tiled") is not None
+
+
+def is_symmetric(block) -> bool:
+    """A tiled block (or head) whose weights :func:`symmetric` approved: its kernels may skip the biases."""
+    return block.__dict__.get("_tiled_symmetric", False)

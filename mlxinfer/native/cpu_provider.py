@@ -36,14 +36,16 @@ class NativeCpuProvider:
         return native.tiled_requested() and bool(self._ext.tiled_weights_supported())
 
     def quantized_matmul(self, x, w, scales, biases, *, group_size: int, bits: int, mode: str = "affine",
-                         residual: Optional[mx.array] = None, tiled: bool = False) -> Optional[mx.array]:
+                         residual: Optional[mx.array] = None, tiled: bool = False,
+                         symmetric: bool = False) -> Optional[mx.array]:
         # MLX's affine 4/8-bit format, groups 32/64/128, float x/scales: (..., K) x (N, K)^T -> (..., N),
-        # + residual (float32, the output's shape: a skip connection) when given; tiled: w in row tiles.
+        # + residual (float32, the output's shape: a skip connection) when given; tiled: w in row tiles;
+        # symmetric: biases == -2^(bits-1) * scales (the tiled decode skips them).
         if mode != "affine" or biases is None:
             return None
         try:
             return self._ext.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits,
-                                              residual=residual, tiled=tiled)
+                                              residual=residual, tiled=tiled, symmetric=symmetric)
         except _REJECTED:
             return None
 

@@ -205,3 +205,56 @@ def test_applying_kernels_leaves_no_freed_buffers_behind(native):
         assert mx.get_cache_memory() == 0
     finally:
         mx.set_cache_limit(old)
+
+
+def make_symmetric(model, keep: str = "") -> None:
+    """Every quantized layer's biases set to -2^(bits-1) * scales (a Q4_0 / Q8_0 import's form), but ``keep``'s."""
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and path != keep:
+            m["biases"] = m["scales"] * -(2 ** (m.bits - 1))
+    mx.eval(model.parameters())
+
+
+@pytest.mark.parametrize("head_bits", [4, 8])
+def test_symmetric_weights_decode_without_reading_their_biases(tiles, monkeypatch, head_bits):
+    model = llama_with_head(tied=False, head_bits=head_bits)  # untied: the lookup reads the embedding's biases
+    make_symmetric(model, keep="model.layers.1.mlp.down_proj")  # layer 1: one linear with real biases
+    monkeypatch.setenv("MLXINFER_TILED", "0")
+    patch.apply_kernels(model, "auto")
+    expected = run(model)
+    monkeypatch.delenv("MLXINFER_TILED")
+    patch.apply_kernels(model, "auto")
+    layers, head = model.model.layers, model.lm_head
+    assert tiled_blocks(model) == 2 and tiling.is_tiled(head)
+    assert tiling.is_symmetric(layers[0]) and not tiling.is_symmetric(layers[1]) and tiling.is_symmetric(head)
+    got = run(model)
+    assert float(mx.abs(got - expected).max() / mx.abs(expected).max()) < 1e-4
+    # Decode never reads a symmetric block's or head's biases: NaN there after the prefill changes nothing.
+    cache = cache_lib.make_prompt_cache(model)
+    out = [model(mx.array([[1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31]]), cache=cache)[:, -1]]
+    for m in [*layers[0]._tiled, head]:
+        m["biases"] = mx.full(m["biases"].shape, float("nan"), m["biases"].dtype)
+    for _ in range(8):
+        out.append(model(mx.argmax(out[-1], axis=-1)[:, None], cache=cache)[:, -1])
+    decoded = mx.concatenate(out)
+    assert float(mx.abs(decoded - expected[:9]).max() / mx.abs(expected).max()) < 1e-4
+
+
+def test_a_symmetric_path_that_disagrees_keeps_mlx_layout(tiles, monkeypatch):
+    """The symmetric plan runs the self-check before use like any tiled one: with tiling.symmetric lying (these
+    biases are -4 * scales, not -8 *), the first layer's output moves, so no layer is tiled, one finding says so,
+    and the output stays right; --kernels custom fails."""
+    model = llama_with_head(tied=False)
+    for m in model.model.layers:
+        for _, lin in m.named_modules():
+            if isinstance(lin, nn.QuantizedLinear):
+                lin["biases"] = lin["scales"] * -4
+    patch.apply_kernels(model, "builtin")
+    expected = run(model)
+    monkeypatch.setattr(tiling, "symmetric", lambda linears: True)
+    report = patch.apply_kernels(model, "auto")
+    assert tiled_blocks(model) == 0 and "model.layers.0 (+1 alike) on row tiles" in report.detail, report.detail
+    got = run(model)
+    assert float(mx.abs(got - expected).max() / mx.abs(expected).max()) < 1e-3
+    with pytest.raises(patch.MlxinferError):
+        patch.apply_kernels(model, "custom")

@@ -191,6 +191,8 @@ def test_plan_rejects_what_is_not_a_layer(native_ext):
         native_ext.decoder_layer_plan([n for n in names if not n.startswith("k.")], config)
     with pytest.raises(ValueError, match="lacks 'window'"):
         native_ext.decoder_layer_plan(names, {k: v for k, v in config.items() if k != "window"})
+    with pytest.raises(ValueError, match="symmetric is a promise about tiled weights"):
+        native_ext.decoder_layer_plan(names, {**config, "symmetric": 1.0})
     plan = native_ext.decoder_layer_plan(names, config)
     x = mx.zeros((1, 1, 256))
     kb = native_ext.kv_reserve([1, 1, 8, 64])

@@ -27,6 +27,7 @@ _PARITY = textwrap.dedent(
     worst_decode = worst_prefill = 0.0
     cases = 0
     worst_8bit = 0.0  # 8-bit past 8 x rows
+    worst_symmetric = 0.0  # symmetric=True decode, its biases NaN: never read
     for bits in (4, 8):
         for gs, K, N, dt in [(32, 576, 192, mx.float16), (32, 96, 32, mx.float16), (64, 1536, 64, mx.bfloat16),
                              (64, 640, 48, mx.float16), (128, 512, 80, mx.float32), (128, 1152, 16, mx.bfloat16)]:
@@ -45,10 +46,16 @@ _PARITY = textwrap.dedent(
                 else:  # 4-bit past 8 x rows: the GEMM's tiled repack
                     worst_prefill = max(worst_prefill, err)
                 cases += 1
+                if M <= 8:  # the same weights with b = -2^(bits-1) * s (a Q4_0 / Q8_0 import's form)
+                    sb = s * -(2 ** (bits - 1))
+                    want = ext.quantized_matmul(x, wq, s, sb, group_size=gs, bits=bits)
+                    got = ext.quantized_matmul(x, tw, ts, mx.full(ts.shape, float("nan"), dt), group_size=gs,
+                                               bits=bits, tiled=True, symmetric=True)
+                    worst_symmetric = max(worst_symmetric, (mx.abs(got - want).max() / mx.abs(want).max()).item())
             ids = mx.array([0, 1, N // 2, N - 1, N, -1])  # the last two out of range: zero rows
             look = ext.quantized_embedding(ids, tw, ts, tb, group_size=gs, bits=bits, tiled=True)
             assert mx.array_equal(look, ext.quantized_embedding(ids, wq, s, b, group_size=gs, bits=bits)).item()
-    print(ext.isa(), cases, worst_decode, worst_prefill, worst_8bit)
+    print(ext.isa(), cases, worst_decode, worst_prefill, worst_8bit, worst_symmetric)
     """
 )
 
@@ -66,12 +73,14 @@ def test_tiled_kernels_match_row_major(native_ext, prefill):
     for isa in _tiled_sets(native_ext):
         proc = run_under_isa(_PARITY, isa, prefill=prefill)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        name, cases, worst_decode, worst_prefill, worst_8bit = proc.stdout.split()
+        name, cases, worst_decode, worst_prefill, worst_8bit, worst_symmetric = proc.stdout.split()
         assert name.startswith(isa) and int(cases) == 108
         assert float(worst_decode) < 2e-5, (isa, prefill, worst_decode)
         assert float(worst_prefill) == 0.0, (isa, prefill, worst_prefill)
         # Past 8 rows the reference is the float32 or int16 GEMM (x rounded otherwise): int8 x differs by ~0.5%.
         assert float(worst_8bit) < (2e-2 if isa.endswith("i8") else 2e-4), (isa, prefill, worst_8bit)
+        # Symmetric tiles fold the bias into x's correction: the same sums, the biases (NaN here) unread.
+        assert float(worst_symmetric) < 2e-5, (isa, prefill, worst_symmetric)
 
 
 def test_tile_round_trip_and_layout():
@@ -93,3 +102,17 @@ def test_bad_tiled_calls_are_refused(native_ext):
         native_ext.quantized_matmul(x, wq, s, b, group_size=32, bits=4, tiled=True)
     with pytest.raises(ValueError, match="multiple of 16"):
         native_ext.quantized_embedding(mx.array([1]), wq, s, b, group_size=32, bits=4, tiled=True)
+
+
+def test_symmetric_weights_are_recognised_from_their_arrays():
+    class Linear(dict):
+        def __init__(self, scales, biases, bits):
+            super().__init__(scales=scales, biases=biases)
+            self.bits = bits
+
+    s = mx.random.uniform(1e-3, 1e-2, (32, 4)).astype(mx.float16)
+    assert tiling.symmetric([Linear(s, s * -8, 4), Linear(s, s * -128, 8)])
+    assert not tiling.symmetric([Linear(s, s * -8, 4), Linear(s, s * -8, 8)])  # one of them: 8-bit, not -128 s
+    _, qs, qb = mx.quantize(mx.random.normal((32, 128)), group_size=32, bits=4)  # MLX's own: min-max (asymmetric)
+    assert not tiling.symmetric([Linear(qs, qb, 4)])
+    assert not tiling.symmetric([])
