@@ -36,6 +36,7 @@ class BlockPlan:
     plan: Any          # the provider's plan (decoder_layer_plan)
     owners: tuple      # ((module, key), ...): where each named array lives (spec.owners)
     tiled_plan: Any = None  # the plan reading the linears in row tiles (kernels.tiling), while they are tiled
+    symmetric: Optional[bool] = None  # tiling.symmetric of the linears, asked once (weights_symmetric)
 
 
 def prepare(block, provider, window: int = 0) -> str:
@@ -75,6 +76,17 @@ def tile_linears(block) -> list:
     return [] if plan is None else [o for o, k in plan.owners if k == "weight" and isinstance(o, nn.QuantizedLinear)]
 
 
+def weights_symmetric(block) -> bool:
+    """Whether a prepared block's linears are symmetric (``tiling.symmetric``: a tiled plan may skip their biases);
+    compared on the arrays once per preparation and kept in its plan (the self-check and every re-tiling ask)."""
+    plan = block.__dict__.get("_native_plan")
+    if plan is None:
+        return False
+    if plan.symmetric is None:
+        block._native_plan = plan = replace(plan, symmetric=tiling.symmetric(tile_linears(block)))
+    return plan.symmetric
+
+
 def tile(block) -> bool:
     """Put a prepared block's quantized linears in row tiles (``kernels.tiling``) and run it with a plan that reads
     them so; False (nothing changed) when a linear is not tileable or the provider refuses the plan."""
@@ -84,8 +96,8 @@ def tile(block) -> bool:
     linears = tile_linears(block)
     if not linears or not all(tiling.tileable(q) for q in linears):
         return False
-    # Made once per block (its weights, so their symmetry, never change): a symmetric plan reads no biases.
-    symmetric = tiling.symmetric(linears)
+    symmetric = weights_symmetric(block)  # a symmetric plan reads no biases
+    plan = block._native_plan
     tiled_plan = plan.tiled_plan
     if tiled_plan is None:
         config = {**plan.spec.config(), "tiled": 1, **({"symmetric": 1} if symmetric else {})}

@@ -81,7 +81,7 @@ def tile_checked(model: nn.Module) -> tuple[int, list[Finding]]:
         xs = _inputs(members[0])
         if xs is None or "_native_plan" not in members[0].__dict__:
             continue
-        forms = [tiling.symmetric(fused_block.tile_linears(m)) for m in members]
+        forms = [fused_block.weights_symmetric(m) for m in members]
         verdict: dict[bool, bool] = {}  # symmetric -> its first layer tiled and passed
         for m, form in zip(members, forms):
             if form in verdict:
