@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from chat_pty import ENTRY, READY, STATS
+from chat_pty import ENTRY, READY, STATS, STREAMS_SLOWLY
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def test_chat_conversation_commands_and_resume(pty, chat_env):
     assert "+What is the capital of France?" in history and "+/retry" in history
 
     # Resume: the history is shown and the conversation continues; Ctrl-C stops a long reply.
-    c = pty("chat", "--session", "trip", "--max-tokens", "300")
+    c = pty("chat", "--session", "trip", "--max-tokens", "300", *STREAMS_SLOWLY)
     c.expect(r"What is the capital of France\?")
     c.expect(r"Paris")
     c.expect(READY)
@@ -122,7 +122,7 @@ def test_sigterm_and_sighup_in_the_terminal_save_and_exit(pty, chat_env):
     import signal
 
     path = Path(chat_env["_ROOT"]) / "data" / "mlxinfer" / "sessions" / "term-sig.json"
-    c = pty("chat", "--session", "term-sig", "--temp", "0", "--max-tokens", "400")
+    c = pty("chat", "--session", "term-sig", "--temp", "0", "--max-tokens", "400", *STREAMS_SLOWLY)
     c.expect(READY)
     c.send_line("Write a long story about a brave knight and a dragon.")
     c.expect(r"…")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from chat_pty import ENTRY
+from chat_pty import ENTRY, STREAMS_SLOWLY
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 
@@ -22,7 +22,7 @@ def test_interrupted_reply_leaves_one_clean_copy_on_screen(chat_env, tmp_path):
     env = {**chat_env, "TMUX": ""}
     for var in ("PROMPT_TOOLKIT_NO_CPR", "COLUMNS", "LINES"):  # tmux sets the size and answers size queries
         env.pop(var, None)
-    cmd = " ".join(f"'{a}'" for a in ENTRY + ["chat", "--temp", "0", "--max-tokens", "200"])
+    cmd = " ".join(f"'{a}'" for a in ENTRY + ["chat", "--temp", "0", "--max-tokens", "200", *STREAMS_SLOWLY])
 
     def tmux(*args: str) -> str:
         return subprocess.run(["tmux", "-S", sock, *args], env=env, capture_output=True, text=True,

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from chat_pty import READY, STATS
+from chat_pty import READY, STATS, STREAMS_SLOWLY
 
 pytestmark = pytest.mark.slow
 
 
 def test_message_typed_during_a_reply_is_sent_with_its_enter(pty, chat_env):
-    c = pty("chat", "--temp", "0", "--max-tokens", "150")
+    c = pty("chat", "--temp", "0", "--max-tokens", "150", *STREAMS_SLOWLY)
     c.expect(READY)
     c.send_line("Count from 1 to 100, separated by commas.")
     c.expect(r"Count from 1 to 100, separated by commas\.")
