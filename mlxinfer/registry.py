@@ -111,6 +111,13 @@ class Registry:
             if path is None or not path.exists():
                 continue
             doc = _read_toml(path)
+            unknown = sorted(set(doc) - {"default", "models"})
+            if unknown:
+                raise ConfigError(f"{path}: unknown top-level key(s): {', '.join(unknown)}",
+                                  hint="the file holds default = \"ALIAS\" and [models.ALIAS] tables")
+            if "default" in doc and (not isinstance(doc["default"], str) or not doc["default"].strip()):
+                raise ConfigError(f"{path}: default must be an alias in quotes, not {_toml_value(doc['default'])}",
+                                  hint='e.g. default = "smollm2"')
             default = doc.get("default", default)
             models = doc.get("models", {})
             if not isinstance(models, dict):
@@ -193,9 +200,37 @@ def _check_entry(path: Path, alias: str, e: dict) -> None:
     unknown = sorted(set(e) - _ALLOWED)
     if unknown:
         raise ConfigError(f"{path}: models.{alias} has unknown key(s): {', '.join(unknown)}")
-    for key in ("context", "top_k", "max_tokens"):
-        if key in e and (not isinstance(e[key], int) or e[key] <= 0):
-            raise ConfigError(f"{path}: models.{alias}.{key} must be a positive integer")
-    for key in ("temperature", "top_p", "min_p", "repeat_penalty"):
-        if key in e and not isinstance(e[key], (int, float)):
-            raise ConfigError(f"{path}: models.{alias}.{key} must be a number")
+    for key in _TEXT_KEYS & e.keys():
+        if not isinstance(e[key], str) or (key in _SOURCE_KEYS and not e[key].strip()):
+            kind = "a non-empty string" if key in _SOURCE_KEYS else "a string"
+            raise ConfigError(f"{path}: models.{alias}.{key} must be {kind}, not {_toml_value(e[key])}",
+                              hint=f'give it a value in quotes: {key} = "..."')
+    if "params" in e and (isinstance(e["params"], bool) or not isinstance(e["params"], (str, int, float))):
+        raise ConfigError(f"{path}: models.{alias}.params must be a string such as \"135M\", "
+                          f"not {_toml_value(e['params'])}")
+    if "context" in e and (isinstance(e["context"], bool) or not isinstance(e["context"], int) or e["context"] <= 0):
+        raise ConfigError(f"{path}: models.{alias}.context must be a positive integer, not {_toml_value(e['context'])}")
+    # The sampling defaults get the checks a flag gets (types, ranges), with the file and entry named.
+    from .engine.sampling import SamplingParams
+    from .engine.settings import pick
+    from .errors import InvalidParameter
+
+    try:
+        SamplingParams(**pick({k: e[k] for k in DEFAULT_KEYS if k in e})).validate()
+    except InvalidParameter as err:
+        raise ConfigError(f"{path}: models.{alias}: {err.args[0]}",
+                          hint="fix it in that file") from None
+
+
+# Keys whose values are strings; the first three name a source and must not be empty.
+_SOURCE_KEYS = {"hub", "path", "package", "file"}
+_TEXT_KEYS = _SOURCE_KEYS | {"revision", "description", "quant", "system", "chat_template"}
+
+
+def _toml_value(v: Any) -> str:
+    """A value as TOML would spell it, for messages (``true``, ``5``, ``[...]``)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, dict)):
+        return "an array" if isinstance(v, list) else "a table"
+    return repr(v)

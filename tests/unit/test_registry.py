@@ -96,3 +96,39 @@ def test_missing_gguf_path():
     reg = Registry.load(user_file=Path("/nonexistent"))
     with pytest.raises(ModelNotFound, match="no such file"):
         reg.resolve("/tmp/does-not-exist.gguf")
+
+
+@pytest.mark.parametrize("body, said", [
+    ('default = 5', r"default must be an alias in quotes, not 5"),
+    ('foo = 1', r"unknown top-level key\(s\): foo"),
+    ('[models."x"]\npath = 5', r"models\.x\.path must be a non-empty string, not 5"),
+    ('[models."x"]\npath = ["a"]', r"models\.x\.path must be a non-empty string, not an array"),
+    ('[models."x"]\nhub = ""', r"models\.x\.hub must be a non-empty string"),
+    ('[models."x"]\npackage = "p"\nfile = 5', r"models\.x\.file must be a non-empty string"),
+    ('[models."x"]\nhub = "a/b"\nrevision = 5', r"models\.x\.revision must be a string, not 5"),
+    ('[models."x"]\npath = "m"\nsystem = 5', r"models\.x\.system must be a string"),
+    ('[models."x"]\npath = "m"\nchat_template = true', r"models\.x\.chat_template must be a string, not true"),
+    ('[models."x"]\npath = "m"\ncontext = true', r"models\.x\.context must be a positive integer, not true"),
+    ('[models."x"]\npath = "m"\nparams = true', r"models\.x\.params must be a string"),
+    ('[models."x"]\npath = "m"\ntemperature = -5', r"models\.x: invalid temperature -5: must be"),
+    ('[models."x"]\npath = "m"\ntop_p = true', r"models\.x: invalid top_p True: expected a number"),
+    ('[models."x"]\npath = "m"\nmax_tokens = 0', r"models\.x: invalid max_tokens 0"),
+])
+def test_wrong_types_and_ranges_name_the_file_and_key(tmp_path, body, said):
+    """A user's models.toml is input like a flag: a wrong type or range is one ConfigError naming the file, the
+    entry and the key, never a TypeError deep in the loader (path = 5 crashed in Path(), default = 5 broke every
+    command, context = true passed as 1)."""
+    user = tmp_path / "models.toml"
+    user.write_text(body + "\n")
+    with pytest.raises(ConfigError, match=said) as e:
+        Registry.load(user)
+    assert str(user) in str(e.value)
+
+
+def test_well_typed_entry_keeps_its_defaults(tmp_path):
+    user = tmp_path / "models.toml"
+    user.write_text('default = "x"\n[models."x"]\npath = "m"\nparams = 135\ncontext = 64\ntemperature = 0\n'
+                    'top_p = 1\nsystem = "Be brief."\n')
+    spec = Registry.load(user).resolve(None)
+    assert spec.context == 64 and spec.params == "135"
+    assert spec.defaults == {"temperature": 0, "top_p": 1, "system": "Be brief."}
