@@ -1,8 +1,9 @@
-"""Run the app on uvicorn: checks before the model loads (address, key, port), a graceful drain on SIGTERM/SIGINT."""
+"""Run the app on uvicorn: checks before the model loads (address, key, port), a graceful drain on SIGTERM/SIGINT/SIGHUP."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import ipaddress
 import socket
 
@@ -41,7 +42,7 @@ def check_bind(host: str, port: int, api_key: str | None) -> None:
 
 
 def serve(loaded, opts: ServeOptions, *, host: str, port: int, grace: float, log_level: str = "warning") -> None:
-    """Serve until SIGTERM/SIGINT; then stop accepting, let running requests finish within ``grace`` seconds and
+    """Serve until SIGTERM/SIGINT/SIGHUP; then stop accepting, let running requests finish within ``grace`` seconds and
     return (the command exits 0)."""
     import uvicorn
 
@@ -55,10 +56,18 @@ def serve(loaded, opts: ServeOptions, *, host: str, port: int, grace: float, log
 
         @contextlib.contextmanager
         def capture_signals(self):
-            with super().capture_signals():
-                yield
-                # A drained shutdown is the clean end of a server, not a signal to re-raise.
-                self._captured_signals.clear()
+            # uvicorn takes SIGINT and SIGTERM; a hangup (the terminal that started the server closed) drains the
+            # same way instead of raising the CLI's Terminated inside the event loop (a traceback, exit 129).
+            hup = getattr(signal, "SIGHUP", None)
+            previous = signal.signal(hup, self.handle_exit) if hup is not None else None
+            try:
+                with super().capture_signals():
+                    yield
+                    # A drained shutdown is the clean end of a server, not a signal to re-raise.
+                    self._captured_signals.clear()
+            finally:
+                if hup is not None:
+                    signal.signal(hup, previous)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             access_log=log_level in ("info", "debug", "trace"),

@@ -203,6 +203,18 @@ def test_timeouts_get_503_and_sigterm_drains_running_requests_and_exits_0(tmp_pa
         srv.stop()
 
 
+def test_sighup_drains_like_sigterm(tmp_path):
+    """The terminal that started the server closed: it stops like SIGTERM (exit 0, one line), not with the CLI's
+    Terminated raised inside uvicorn's event loop (a traceback, exit 129)."""
+    srv = start_server(tmp_path)
+    try:
+        srv.proc.send_signal(signal.SIGHUP)
+        assert srv.proc.wait(30) == 0, srv.log_text()
+        assert "Traceback" not in srv.log_text()
+    finally:
+        srv.stop()
+
+
 def test_public_address_without_key_refuses_to_start():
     run = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "smollm2", "--host", "0.0.0.0", "--port", "0"],
                          capture_output=True, text=True, timeout=60, env={**__import__("os").environ,
