@@ -75,6 +75,9 @@ class ConvertResult:
 
 def plan_recipe(opts: ConvertOptions) -> R.Recipe | None:
     """The validated recipe, or None when nothing is quantized."""
+    for flag, value, allowed in (("--bits", opts.bits, R.BITS), ("--group-size", opts.group_size, R.GROUP_SIZES)):
+        if value is not None and value <= 0:  # 0 read as "not given" kept the source as it was, with exit 0
+            raise InvalidParameter(f"{flag} {value} is not supported", hint=f"use one of {allowed}")
     if opts.dequantize and opts.quantizes:
         raise InvalidParameter("--dequantize cannot be combined with --bits/--group-size/--mode/--recipe")
     if not opts.quantizes:
@@ -256,7 +259,7 @@ def _build(tmp: Path, info: SourceInfo, opts: ConvertOptions, recipe: R.Recipe |
 
     from .. import __version__
     from . import card, writer
-    from .quality import evaluate
+    from .quality import NotFinite, evaluate
 
     src_dir = info.path
     if info.is_gguf:
@@ -302,6 +305,8 @@ def _build(tmp: Path, info: SourceInfo, opts: ConvertOptions, recipe: R.Recipe |
     if run_eval:
         try:
             quality = evaluate(src_dir, tmp, max_tokens=eval_tokens, progress=progress)
+        except NotFinite:
+            raise
         except (MlxinferError, ValueError, RuntimeError) as e:
             if opts.eval:  # asked for explicitly: the report is part of the job
                 raise

@@ -53,6 +53,11 @@ class QualityReport:
         ]
 
 
+class NotFinite(InvalidModel):
+    """NaN/inf logits: the conversion fails (a model that answers nothing must not be written), where other
+    evaluation errors only skip the report."""
+
+
 def sample_text() -> str:
     return data_path(SAMPLE_FILE).read_text(encoding="utf-8")
 
@@ -140,6 +145,13 @@ def evaluate(
             progress("eval", min(start + window, n), n)
     del src, conv
     mx.clear_cache()
+    # NaN/inf logits (a NaN scale in the file) would report "KL nan, top-1 agreement 100%" and keep the output.
+    if not math.isfinite(nll_src):
+        raise NotFinite(f"the source model's output is not finite (NaN or inf): its weights in {source_dir} are "
+                           "corrupt", hint="download the source again")
+    if not math.isfinite(nll_conv):
+        raise NotFinite("the converted model's output is not finite (NaN or inf) where the source's is",
+                           hint="convert with more bits (--bits 8), or report it")
     k = np.maximum(np.concatenate(kls), 0.0)  # tiny negative values are float rounding
     return QualityReport(
         tokens=n,

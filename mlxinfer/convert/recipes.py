@@ -162,7 +162,8 @@ def check_setting(s: QuantSetting, where: str = "") -> None:
 
 
 def validate(recipe: Recipe) -> None:
-    check_setting(recipe.default, "default")
+    # The flags' own recipe has nothing but its default: naming it "(default)" read as if 7 were the default.
+    check_setting(recipe.default, "" if recipe.name == "uniform" else "default")
     for i, r in enumerate(recipe.rules):
         if r.quantize:
             check_setting(resolve_rule(recipe, r), f"rule {i + 1}, match '{r.match}'")

@@ -45,6 +45,8 @@ def token_steps(
     ``kv_options.maybe_quantize``, which may replace layer caches in the list)."""
     import mlx.core as mx
 
+    from ..errors import InvalidModel
+
     progress = prompt_progress or (lambda done, total: None)
     total = len(prompt)
     rest = mx.array(list(prompt))
@@ -62,9 +64,13 @@ def token_steps(
         rest = rest[n:]
         mx.clear_cache()
 
+    finite = None  # the first logits' check: corrupt weights (NaN/inf scales) give no tokens, not an empty reply
+
     def step(tokens: mx.array, extend: bool) -> mx.array:
-        nonlocal history
+        nonlocal history, finite
         logits = model(tokens[None], cache=cache)[:, -1, :]  # (1, vocab)
+        if finite is None:
+            finite = mx.isfinite(logits).all()
         if after_call is not None:
             after_call(cache)
         if logits_processors:
@@ -77,14 +83,17 @@ def token_steps(
         return sampler(logits)  # (1,)
 
     y = step(rest, extend=False)
-    mx.async_eval(y)
+    mx.async_eval(y, finite)
     n = 0
     while True:
         if n != max_tokens:
             next_y = step(y, extend=True)
             mx.async_eval(next_y)
         if n == 0:
-            mx.eval(y)
+            mx.eval(y, finite)
+            if not finite.item():
+                raise InvalidModel("the model's output is not finite (NaN or inf): its weights are corrupt",
+                                   hint="download or convert the model again")
             progress(total, total)
         if n == max_tokens:
             break

@@ -105,7 +105,10 @@ def test_python_files_are_not_copied(llama_src, tmp_path):
 
 
 @pytest.mark.parametrize("opts, match", [
-    (dict(bits=7), "7 bits"),
+    (dict(bits=7), r"^7 bits is not supported"),
+    (dict(bits=0), r"--bits 0 is not supported"),
+    (dict(bits=8, group_size=0), r"--group-size 0 is not supported"),
+    (dict(recipe="mixed_4_6", bits=7), r"7 bits \(default\)"),
     (dict(group_size=48), "group size 48"),
     (dict(mode="mxfp4", bits=8), "mxfp4.*needs 4 bits"),
     (dict(mode="nonsense"), "not supported by this MLX"),
@@ -222,6 +225,23 @@ def test_quality_check_failure(llama_src, tmp_path):
     with pytest.raises(InvalidModel, match="--no-eval"):
         convert(str(src), tmp_path / "asked", ConvertOptions(bits=4, eval=True, eval_tokens=16))
     assert not (tmp_path / "asked").exists() and _leftovers(tmp_path, "asked") == []
+
+
+def test_non_finite_source_fails_and_leaves_nothing(llama_src, tmp_path):
+    """A NaN in the source's weights: the report would have said "KL nan, top-1 agreement 100%" and kept a model
+    that answers nothing; the conversion fails instead, whether or not --eval was asked for."""
+    import mlx.core as mx
+
+    src = tmp_path / "nan"
+    shutil.copytree(llama_src, src)
+    shard = sorted(src.glob("model*.safetensors"))[0]
+    weights = mx.load(str(shard))
+    name = next(k for k in weights if k.endswith("norm.weight"))
+    weights[name] = mx.full(weights[name].shape, float("nan"), dtype=weights[name].dtype)
+    mx.save_safetensors(str(shard), weights, metadata={"format": "pt"})
+    with pytest.raises(InvalidModel, match="source model's output is not finite"):
+        convert(str(src), tmp_path / "out", ConvertOptions(bits=4, eval_tokens=16))
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
 
 
 def test_stale_temp_dirs_of_dead_processes_are_removed(llama_src, tmp_path):

@@ -70,3 +70,23 @@ def test_early_stop_leaves_the_yielded_tokens_in_the_cache_and_progress_is_repor
     steps.close()
     assert len(got) == 6 and cache[0].offset == len(PROMPT) + 6
     assert seen[0] == (0, 11) and seen[-1] == (11, 11) and (5, 11) in seen and (10, 11) in seen
+
+
+def test_non_finite_logits_are_a_model_error_not_an_empty_reply():
+    """Corrupt weights (a NaN scale in a downloaded file) made every logit NaN: greedy argmax gave token 0 or the
+    end token and the reply came back empty with exit 0. The first step's logits are checked."""
+    from mlxinfer.errors import InvalidModel
+
+    net = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=500, tie_word_embeddings=True,
+    ))
+    net.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    for greedy in (True, False):
+        sampler = make_sampler(temp=0.0 if greedy else 0.7)
+        with pytest.raises(InvalidModel, match="not finite"):
+            list(token_steps(net, [1, 2, 3], cache=make_prompt_cache(net), sampler=sampler, greedy=greedy,
+                             max_tokens=4))
+    net.model.layers[1].mlp.down_proj.weight[3, 5] = 0.0
+    assert len(list(token_steps(net, [1, 2, 3], cache=make_prompt_cache(net), sampler=make_sampler(temp=0.0),
+                                greedy=True, max_tokens=4))) == 4
