@@ -173,6 +173,11 @@ def chat(
         elif session and saved is None:
             app.view.notice(f"new session '{session}' (saved after every reply)")
         app.run()
+        failed = getattr(app.view, "errors", 0)
+        if failed and not sys.stdin.isatty():
+            from ..errors import MlxinferError
+
+            raise MlxinferError(f"{failed} of the piped messages and commands failed (see the errors above)")
     finally:
         if app is not None:
             app.release()

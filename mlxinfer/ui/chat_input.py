@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
+from ..errors import InvalidParameter
+
 TRIPLE = '"""'
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -63,20 +65,33 @@ class LineReader:
     def __init__(self, stream=None, prompt_to=None):
         self.stream = stream or sys.stdin
         self.prompt_to = prompt_to  # a stream to write a short prompt to (a terminal in --plain), or None
+        self.lines = 0
+
+    def _line(self) -> str:
+        line = self.stream.readline()
+        self.lines += bool(line)
+        return line
 
     def read(self, default: str = "", accept: bool = False) -> str:
         if self.prompt_to:
             self.prompt_to.write(PROMPT)
             self.prompt_to.flush()
-        line = self.stream.readline()
+        first = self.lines + 1
+        line = self._line()
         if not line:
             raise EOFError
         text = line.rstrip("\n")
         while open_block(text):
-            more = self.stream.readline()
+            more = self._line()
             if not more:
                 break
             text += "\n" + more.rstrip("\n")
+        try:  # stdin decodes with surrogateescape: bytes that are not UTF-8 arrive as lone surrogates
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            where = f"line {first}" if self.lines == first else f"lines {first}-{self.lines}"
+            raise InvalidParameter(f"{where} of the input is not valid UTF-8 (skipped)",
+                                   hint="convert it first, e.g. iconv -f latin1 -t utf-8") from None
         return strip_block(text)
 
     def close(self) -> None:

@@ -271,6 +271,9 @@ class ChatApp:
                 break
             except Terminated:
                 raise
+            except MlxinferError as e:  # an input line that cannot be a message (not UTF-8)
+                self.view.error(str(e))
+                continue
             except KeyboardInterrupt:
                 self.view.notice("Use Ctrl-D, /bye or /exit to quit.")
                 continue

@@ -323,6 +323,7 @@ class PlainView:
 
     def __init__(self, out=None, err=None):
         self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.errors = 0  # errors shown: a piped chat with any exits non-zero (cli.chat), so scripts can tell
 
     def _say(self, text: str) -> None:
         print(text, file=self.err, flush=True)
@@ -355,4 +356,5 @@ class PlainView:
         self._say(text)
 
     def error(self, text: str) -> None:
+        self.errors += 1
         self._say(f"error: {text}")

@@ -104,16 +104,20 @@ def test_chat_conversation_commands_and_resume(pty, chat_env):
 
 
 def test_plain_mode_through_a_pipe(chat_env):
-    script = ('What is the capital of France?\n/set nonsense 1\n/set temp 0\n'
-              '"""\nWhat is the capital\nof France?\n"""\n')
+    script = ('What is the capital of France?\n/set nonsense 1\ncaf\xe9 au lait\n/set temp 0\n'
+              '"""\nWhat is the capital\nof France?\n"""\n').encode("latin-1")  # line 3 is not UTF-8
     out = subprocess.run(ENTRY + ["chat", "--temp", "0", "--max-tokens", "12"], input=script, env=chat_env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    replies = out.stdout.strip().split("\n")
-    assert len(replies) == 2 and all("Paris" in r for r in replies), out.stdout
-    assert "mlxinfer chat" not in out.stdout and "tok/s" not in out.stdout  # only replies on stdout
-    assert "unknown setting 'nonsense'" in out.stderr and "set temperature = 0" in out.stderr
-    assert not re.search(r"\x1b\[", out.stdout)
+                         capture_output=True, timeout=120)
+    stdout, stderr = out.stdout.decode(), out.stderr.decode()
+    replies = stdout.strip().split("\n")
+    assert len(replies) == 2 and all("Paris" in r for r in replies), stdout
+    assert "mlxinfer chat" not in stdout and "tok/s" not in stdout  # only replies on stdout
+    assert "unknown setting 'nonsense'" in stderr and "set temperature = 0" in stderr
+    assert "error: line 3 of the input is not valid UTF-8 (skipped)" in stderr
+    # The good lines ran; a script still learns that two did not.
+    assert out.returncode == 2, stderr
+    assert stderr.strip().splitlines()[-1] == "error: 2 of the piped messages and commands failed (see the errors above)"
+    assert not re.search(r"\x1b\[", stdout)
 
 
 def test_sigterm_and_sighup_in_the_terminal_save_and_exit(pty, chat_env):

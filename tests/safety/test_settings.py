@@ -70,8 +70,10 @@ def test_every_bad_set_is_one_line_and_the_chat_goes_on(tiny, env):
         f"/set top_k {VOCAB}", "/set seed 18446744073709551615", "/set min_p 1", "first message",
         "/set top_k 0", "/clear", "second message"]
     proc = run("chat", str(tiny), "--max-tokens", "5", env=env, input="\n".join(script) + "\n")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 2, proc.stderr  # the chat went on; the exit status says that lines failed
     errors = [line for line in error_lines(proc) if line.startswith("error:")]
+    assert errors[-1] == f"error: {len(bad)} of the piped messages and commands failed (see the errors above)"
+    errors = errors[:-1]
     assert len(errors) == len(bad), errors
     for line, (setting, needle) in zip(errors, bad):
         name, value = setting.split()
