@@ -64,11 +64,22 @@ def check_alias_free(name: str, replace: bool, user_file: Path | None = None) ->
     """Refuse a malformed alias, or one that exists already unless ``replace`` (checked before converting)."""
     from ..registry import Registry
 
+    from ..registry import user_registry_path
+
     check_alias(name)
     registry = Registry.load(user_file)
     if name in registry.aliases() and not replace:
         raise InvalidParameter(f"alias '{name}' already exists (in {registry.origin(name)})",
                                hint="pick another --alias, or add --force to replace it")
+    # add_alias writes a temp file beside models.toml and renames it: that folder (or the first of its parents
+    # that exists, which it creates) must take writes, else the model would be converted and the alias not added.
+    target = Path(user_file or user_registry_path())
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidParameter(f"cannot add alias '{name}': {folder} is not writable (for {target})",
+                               hint="drop --alias, or set MLXINFER_MODELS to a file in a writable folder")
 
 
 def _remove_table(text: str, alias: str) -> str:

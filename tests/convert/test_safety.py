@@ -185,6 +185,27 @@ def test_cli_convert_alias_and_errors(llama_src, tmp_path, monkeypatch, capsys):
     assert mlxinfer.load("tiny4", kernels="builtin").quantization.startswith("8-bit")
 
 
+def test_alias_file_that_cannot_be_written_is_refused_before_converting(llama_src, tmp_path, monkeypatch, capsys):
+    """A read-only config folder: the model was converted, then the alias failed (exit 2) and the output stayed,
+    so a rerun said "already exists". Now it is checked first. (os.access is faked: root writes anywhere.)"""
+    import os
+
+    from mlxinfer.cli.main import main
+    from mlxinfer.convert import card
+
+    config = tmp_path / "config"
+    config.mkdir()
+    monkeypatch.setenv("MLXINFER_MODELS", str(config / "mlxinfer" / "models.toml"))  # its folder not made yet
+    real = os.access
+    monkeypatch.setattr(card.os, "access", lambda p, mode: False if Path(p) == config else real(p, mode))
+    rc = main(["convert", str(llama_src), "-o", str(tmp_path / "out"), "--bits", "8", "--no-eval", "--alias", "ro"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"error: cannot add alias 'ro': {config} is not writable (for "
+                               f"{config / 'mlxinfer' / 'models.toml'}) (drop --alias, or set MLXINFER_MODELS "
+                               "to a file in a writable folder)"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config"]
+
+
 def test_fake_hub_source(llama_src, tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).parent.parent / "hub"))
     fakehub = pytest.importorskip("fakehub")
