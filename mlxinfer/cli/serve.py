@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Annotated, List, Optional
 
@@ -62,6 +63,7 @@ def serve_cmd(
     from ..errors import InvalidParameter
     from ..registry import Registry
     from ..serve.app import ServeOptions
+    from ..serve.prefill import IDLE_PREFILL
     from ..serve.runner import check_bind, serve
     from ..ui.progress import load_model
 
@@ -70,6 +72,12 @@ def serve_cmd(
                              ("--batch-from", batch_from, 1), ("--prefix-cache-mb", prefix_cache_mb, 0)):
         if value < low:
             raise InvalidParameter(f"invalid {name} {value}: must be >= {low}")
+    for origin in allow_origin or []:  # a browser sends scheme://host[:port], nothing more: anything else never matches
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s?#]+", origin):
+            raise InvalidParameter(f"invalid --allow-origin {origin!r}",
+                                   hint="give scheme://host[:port], e.g. http://localhost:3000, or '*'")
+    if prefill_chunk > IDLE_PREFILL:
+        raise InvalidParameter(f"invalid --prefill-chunk {prefill_chunk}: must be at most {IDLE_PREFILL}")
     for name, value in (("--timeout", timeout), ("--grace", grace)):
         if not value >= 0:
             raise InvalidParameter(f"invalid {name} {value}: must be >= 0 seconds")
@@ -79,7 +87,7 @@ def serve_cmd(
 
     world = enter(pipeline)  # under mlx.launch: rank 0 serves, the others follow (docs/distributed.md)
     if world is None or world.leader:
-        check_bind(host, port, api_key)
+        port = check_bind(host, port, api_key)  # --port 0: the free port it found, so the banner names it
     registry = Registry.load()
     spec = registry.resolve(model)
     flags = {k: v for k, v in dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty,

@@ -20,8 +20,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, port: int, api_key: str | None) -> None:
-    """Refuse what should not start: a non-loopback address without an API key, a port that is taken."""
+def check_bind(host: str, port: int, api_key: str | None) -> int:
+    """Refuse what should not start: a non-loopback address without an API key, a port that is taken. Returns
+    the port to serve on: ``port``, or for 0 the free one the system gave the probe (announced, then bound)."""
     if not is_loopback(host) and not api_key:
         raise InvalidParameter(f"refusing to listen on {host} without an API key",
                                hint="pass --api-key KEY (or set MLXINFER_API_KEY), or bind 127.0.0.1")
@@ -39,6 +40,7 @@ def check_bind(host: str, port: int, api_key: str | None) -> None:
         except OSError as e:
             raise InvalidParameter(f"cannot listen on {host}:{port} ({e.strerror})",
                                    hint="choose another --port, or stop what uses it") from None
+        return probe.getsockname()[1]
 
 
 def serve(loaded, opts: ServeOptions, *, host: str, port: int, grace: float, log_level: str = "warning") -> None:

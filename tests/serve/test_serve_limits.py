@@ -203,16 +203,35 @@ def test_timeouts_get_503_and_sigterm_drains_running_requests_and_exits_0(tmp_pa
         srv.stop()
 
 
-def test_sighup_drains_like_sigterm(tmp_path):
-    """The terminal that started the server closed: it stops like SIGTERM (exit 0, one line), not with the CLI's
-    Terminated raised inside uvicorn's event loop (a traceback, exit 129)."""
-    srv = start_server(tmp_path)
+def test_port_0_names_the_port_it_got_and_sighup_drains_like_sigterm(tmp_path):
+    """--port 0 announced "http://127.0.0.1:0/v1" while listening elsewhere; now the banner names the real port.
+    A hangup (the terminal that started the server closed) stops it like SIGTERM: exit 0, no traceback (it was
+    the CLI's Terminated raised inside uvicorn's event loop: 30 lines, exit 129)."""
+    import re
+
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxinfer", "serve", "smollm2", "--port", "0"], stdout=f,
+                                stderr=subprocess.STDOUT)
     try:
-        srv.proc.send_signal(signal.SIGHUP)
-        assert srv.proc.wait(30) == 0, srv.log_text()
-        assert "Traceback" not in srv.log_text()
+        assert _wait(lambda: "on http://127.0.0.1:" in log.read_text(), timeout=120), log.read_text()
+        port = int(re.search(r"on http://127\.0\.0\.1:(\d+)/v1", log.read_text())[1])
+        assert port != 0
+        assert _wait(lambda: _health_ok(port), timeout=60), log.read_text()
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(30) == 0, log.read_text()
+        assert "Traceback" not in log.read_text()
     finally:
-        srv.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _health_ok(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_public_address_without_key_refuses_to_start():
@@ -225,10 +244,18 @@ def test_public_address_without_key_refuses_to_start():
     assert "Traceback" not in run.stderr
 
 
-def test_bad_server_options_are_one_line():
-    run = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "smollm2", "--parallel", "0"],
+@pytest.mark.parametrize("flags, said", [
+    (["--parallel", "0"], "error: invalid --parallel 0: must be >= 1"),
+    (["--prefill-chunk", "99999"], "error: invalid --prefill-chunk 99999: must be at most 2048"),
+    (["--allow-origin", "not a url"], "error: invalid --allow-origin 'not a url' (give scheme://host[:port], "
+                                      "e.g. http://localhost:3000, or '*')"),
+    (["--allow-origin", "http://ui.example/app"], "error: invalid --allow-origin 'http://ui.example/app' (give "
+                                                  "scheme://host[:port], e.g. http://localhost:3000, or '*')"),
+])
+def test_bad_server_options_are_one_line(flags, said):
+    run = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", "smollm2", *flags],
                          capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and run.stderr.strip().splitlines() == ["error: invalid --parallel 0: must be >= 1"]
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [said]
 
 
 def test_key_from_environment_allows_public_bind_checks(monkeypatch):
