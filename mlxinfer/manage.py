@@ -206,12 +206,29 @@ def _quant_text(config: dict) -> str:
     return str(config.get("torch_dtype") or config.get("dtype") or "unquantized")
 
 
+def _not_described(target: Target) -> Exception:
+    """Why a model has no MLX directory to describe: a local path says what it is ("run: mlxinfer pull" would only
+    fail for a text file), a Hub or package model that it is not downloaded yet."""
+    spec = target.spec
+    path = spec.path if spec is not None and spec.kind == "path" else None
+    if path is not None and path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelNotFound(f"{target.label} is not imported yet (a GGUF file is described once imported)",
+                             hint=f"run: mlxinfer pull {target.label}")
+    if path is not None and path.is_dir():
+        return InvalidModel(f"{target.label} has no config.json: not an MLX model directory",
+                            hint="give a model directory, a .gguf file, an alias or a Hub repo id")
+    if path is not None:
+        return InvalidModel(f"{target.label} is not a model (a .gguf file or a model directory)",
+                            hint="give a model directory, a .gguf file, an alias or a Hub repo id")
+    return ModelNotFound(f"{target.label} is not on disk", hint=f"run: mlxinfer pull {target.label}")
+
+
 def describe(target: Target) -> dict:
     """Architecture, parameters, quantization, context, chat template and license of a model on disk."""
     directory = local_dir(target)
     spec = target.spec
     if directory is None:
-        raise ModelNotFound(f"{target.label} is not on disk", hint=f"run: mlxinfer pull {target.label}")
+        raise _not_described(target)
     from .engine.model_checks import text_value
     from .sources.cache import _dir_bytes
 

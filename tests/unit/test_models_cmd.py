@@ -218,3 +218,16 @@ def test_rm_asks_on_a_terminal(caches, smollm2_dir):
         child.close()
         assert copy.exists() is not removed
         assert child.exitstatus == (0 if removed else 1)
+
+
+def test_show_says_what_a_local_path_is(caches, tmp_path):
+    """`show` on a path used to say "is not on disk (run: mlxinfer pull ...)" for a file that is on disk (pull then
+    failed for a text file): it names what the path is instead."""
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    (tmp_path / "empty").mkdir()
+    gguf = tmp_path / "fresh.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)  # never imported: show does not import
+    one_error_line(cli(caches, "show", str(text)), "is not a model (a .gguf file or a model directory)")
+    one_error_line(cli(caches, "show", str(tmp_path / "empty")), "has no config.json: not an MLX model directory")
+    one_error_line(cli(caches, "show", str(gguf)), "is not imported yet", f"run: mlxinfer pull {gguf}")
