@@ -164,6 +164,22 @@ def _give_usage_context(e: Exception, argv: list[str] | None) -> None:
         pass
 
 
+def _usage_line(e: Exception) -> str:
+    """A click usage error as one line: its message (click's "Did you mean ...?" included) and where to look."""
+    try:
+        message = " ".join(e.format_message().split())
+    except Exception:  # noqa: BLE001 - a click exception without the method
+        message = " ".join(str(e).split())
+    if len(message) > 1 and message[0].isupper() and message[1].islower():
+        message = message[0].lower() + message[1:]  # "No such option" -> "no such option", as our own lines read
+    message = message.rstrip(".")
+    names, ctx = [], getattr(e, "ctx", None)
+    while ctx is not None and getattr(ctx, "parent", None) is not None:  # the subcommands, not the program name
+        names.insert(0, ctx.info_name)  # (click would say "python -m mlxinfer" when run so)
+        ctx = ctx.parent
+    return f"{message} (see: {' '.join(['mlxinfer', *names])} --help)"
+
+
 def _silence_stdout() -> None:
     """After a broken pipe, point stdout at /dev/null so the interpreter's final flush stays quiet."""
     try:
@@ -193,8 +209,8 @@ def _os_error_line(e: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the app. Every user error is one line on stderr with exit code 2; usage errors print click's usage line
-    and message and exit 2; Ctrl-C exits 130, SIGTERM/SIGHUP 128 + signum; a broken pipe exits quietly. No
+    """Run the app. Every user error is one line on stderr with exit code 2, usage errors too (click's message and
+    the command's --help); Ctrl-C exits 130, SIGTERM/SIGHUP 128 + signum; a broken pipe exits quietly. No
     traceback unless MLXINFER_DEBUG=1 (then errors propagate)."""
     from ..errors import MlxinferError, Terminated
 
@@ -235,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except _click_exceptions() as e:
         _give_usage_context(e, argv)
-        e.show()  # usage errors: click's usage line, a hint and the message
+        _say(f"error: {_usage_line(e)}")  # one line, like every other error (click's own is four)
         return 2
     except UnicodeDecodeError as e:
         if debug_enabled():
