@@ -176,6 +176,7 @@ class AtomicDir:
                                             prefix=f".{self.target.name}.old-{os.getpid()}-"))
                 os.replace(self.target, old / "d")  # rename into a fresh name: never onto something else
             try:
+                os.chmod(self.path, 0o777 & ~current_umask())  # mkdtemp's 0700 hid a converted model from others
                 os.replace(self.path, self.target)
             except BaseException:
                 if old is not None:
@@ -200,11 +201,28 @@ class AtomicDir:
             self._cleanup()
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a small text file whole (temp file, fsync, rename) or not at all."""
+def current_umask() -> int:
+    """The process umask, read without changing it where /proc says it (os.umask can only swap it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_text(path: Path, text: str, private: bool = False) -> None:
+    """Write a small text file whole (temp file, fsync, rename) or not at all; with the usual permissions (0666 less
+    the umask), or owner-only with ``private`` (chat sessions)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if not private:
+            os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600: a bench report others could not read
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

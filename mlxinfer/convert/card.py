@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError, InvalidParameter
+from ..fsutil import current_umask
 
 _ALIAS_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -132,6 +133,8 @@ def add_alias(name: str, path: Path, *, description: str = "", quant: str = "", 
             Registry.load(Path(tmp))  # never replace a working file with one the registry cannot read
         except ConfigError as e:
             raise ConfigError(f"adding alias '{name}' would break {user_file}: {e}") from None
+        # The file keeps its mode (a new one gets the umask's), not mkstemp's 0600.
+        os.chmod(tmp, user_file.stat().st_mode & 0o7777 if user_file.exists() else 0o666 & ~current_umask())
         os.replace(tmp, user_file)
     except BaseException:
         if os.path.exists(tmp):

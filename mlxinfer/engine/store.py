@@ -138,7 +138,7 @@ def save(name: str, data: dict) -> Path:
     if other is not None and other != os.getpid():
         raise SessionBusy(name, other, hint="save under another name, or close that chat first")
     data = {**data, "name": name, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", private=True)  # conversations
     return path
 
 
