@@ -193,7 +193,8 @@ class Session:
         newest = self.render(self.messages[-1:])
         if len(newest) >= limit:  # checked first: a message that cannot fit must not cost the history
             raise SessionError(
-                f"the message needs {len(newest)} tokens but the context holds {limit}",
+                f"the message takes {len(newest)} tokens with the system prompt and chat template, which leaves "
+                f"no room for a reply in a {limit}-token context",
                 hint="shorten it, shorten the system prompt, or raise the limit with /set context",
             )
         want = self.params.max_tokens if self.params.max_tokens > 0 else limit
