@@ -152,8 +152,7 @@ def to_markdown(records: list[dict], baseline: list[dict] | None = None) -> str:
     if peer:
         parts.append("mlxinfer vs mlx-lm (ratio = mlxinfer / mlx-lm)\n\n" + md_table(PEER_COLUMNS, peer))
     if baseline is not None:
-        parts.append("against the baseline (ratio = this run / baseline)\n\n"
-                     + md_table(COMPARE_COLUMNS, compare_rows(records, baseline)))
+        parts.append(compare_part(records, baseline))
     chart = depth_chart(records)
     if chart:
         parts.append("```\n" + "\n".join(chart) + "\n```")
@@ -180,8 +179,7 @@ def to_llama_markdown(records: list[dict], baseline: list[dict] | None = None) -
     parts = ["\n".join(f"- {line}" for line in provenance_lines(records)),
              md_table(LLAMA_COLUMNS, map(llama_row, records))]
     if baseline is not None:
-        parts.append("against the baseline (ratio = this run / baseline)\n\n"
-                     + md_table(COMPARE_COLUMNS, compare_rows(records, baseline)))
+        parts.append(compare_part(records, baseline))
     return "\n\n".join(parts) + "\n"
 
 
@@ -295,6 +293,19 @@ def compare_pairs(records: list[dict], baseline: list[dict]) -> list[tuple[dict,
 
 def compare_rows(records: list[dict], baseline: list[dict]) -> list[list[str]]:
     return _rows(compare_pairs(records, baseline), with_engine=True)
+
+
+def compare_part(records: list[dict], baseline: list[dict]) -> str:
+    """The ratio table against a baseline, or a line saying that no test matched (an empty table said nothing)."""
+    rows = compare_rows(records, baseline)
+    if rows:
+        return "against the baseline (ratio = this run / baseline)\n\n" + md_table(COMPARE_COLUMNS, rows)
+
+    def tests(rs: list[dict]) -> str:
+        return ", ".join(dict.fromkeys(r["test"] for r in rs)) or "none"
+
+    return (f"against the baseline: no test of this run is in it (this run: {tests(records)}; baseline: "
+            f"{tests(baseline)}); run the baseline's tests to compare")
 
 
 def load_baseline(path: Path) -> list[dict]:

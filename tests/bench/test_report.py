@@ -245,3 +245,16 @@ def test_provenance_says_when_prefill_ran_at_int8(records):
                                          "prefill at int8 (avx2i8+int8-prefill)")
     engine_lines = [line for line in report.provenance_lines(rows) if line.startswith("engine ")]
     assert engine_lines and all(line.endswith(" (decode and prefill at int8)") for line in engine_lines), engine_lines
+
+
+def test_compare_with_no_common_test_says_so(records):
+    """--compare against a run of other tests printed an empty table and nothing else."""
+    baseline = copy.deepcopy(records)
+    for r in baseline:
+        r["test"] = "pp999+tg1"
+    text = report.to_markdown(records, baseline)
+    mine = ", ".join(dict.fromkeys(r["test"] for r in records))
+    assert (f"against the baseline: no test of this run is in it (this run: {mine}; baseline: pp999+tg1); run "
+            "the baseline's tests to compare") in text
+    assert "ratio = this run / baseline" not in text
+    assert "ratio = this run / baseline" in report.to_markdown(records, copy.deepcopy(records))
