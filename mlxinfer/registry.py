@@ -72,6 +72,8 @@ def _read_toml(path: Path) -> dict:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}", hint="fix the line named above") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte {e.start})", hint="save it as UTF-8") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
 

@@ -125,6 +125,13 @@ def test_wrong_types_and_ranges_name_the_file_and_key(tmp_path, body, said):
     assert str(user) in str(e.value)
 
 
+def test_non_utf8_file_is_named(tmp_path):
+    user = tmp_path / "models.toml"
+    user.write_bytes(b'[models."x"]\npath = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match=r"models\.toml: not valid UTF-8 \(byte \d+\)"):
+        Registry.load(user)
+
+
 def test_well_typed_entry_keeps_its_defaults(tmp_path):
     user = tmp_path / "models.toml"
     user.write_text('default = "x"\n[models."x"]\npath = "m"\nparams = 135\ncontext = 64\ntemperature = 0\n'
