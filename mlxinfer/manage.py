@@ -168,19 +168,6 @@ def _safetensors_params(directory: Path, config: dict) -> Optional[int]:
     return total
 
 
-def _card_license(directory: Path) -> Optional[str]:
-    """``license:`` from the model card's YAML front matter."""
-    try:
-        text = (directory / "README.md").read_text(errors="replace")
-    except OSError:
-        return None
-    m = re.match(r"---\s*\n(.*?)\n---", text, re.S)
-    if not m:
-        return None
-    lic = re.search(r"^license:\s*['\"]?([^'\"\n]+)", m.group(1), re.M)
-    return lic.group(1).strip() if lic else None
-
-
 def _template(directory: Path, spec: Optional[ModelSpec]) -> str:
     if spec is not None and spec.defaults.get("chat_template"):
         return "models.toml override"
@@ -229,6 +216,7 @@ def describe(target: Target) -> dict:
     spec = target.spec
     if directory is None:
         raise _not_described(target)
+    from .convert.card import card_license
     from .engine.model_checks import text_value
     from .sources.cache import _dir_bytes
 
@@ -250,7 +238,7 @@ def describe(target: Target) -> dict:
         "layers": text_value(config, "num_hidden_layers"), "hidden_size": text_value(config, "hidden_size"),
         "vocab_size": text_value(config, "vocab_size"),
         "chat_template": _template(directory, spec),
-        "license": _card_license(directory) or record.get("license") or "unknown",
+        "license": card_license(directory) or record.get("license") or "unknown",
         "disk_bytes": _dir_bytes(directory),
     }
     if spec is not None and spec.description:

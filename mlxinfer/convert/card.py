@@ -13,10 +13,25 @@ from ..fsutil import current_umask
 _ALIAS_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
+def card_license(directory: Path) -> str | None:
+    """``license:`` from a model card's YAML front matter (``README.md``), if any."""
+    try:
+        text = (Path(directory) / "README.md").read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.match(r"---\s*\n(.*?)\n---", text, re.S)
+    if not m:
+        return None
+    lic = re.search(r"^license:\s*['\"]?([^'\"\n]+)", m.group(1), re.M)
+    return lic.group(1).strip() if lic else None
+
+
 def model_card(meta: dict, quality_rows: list[tuple[str, str]] | None) -> str:
     """Markdown with a Hugging Face front matter block (library_name: mlx) and the conversion facts."""
     src = meta["source"]
     front = ["---", "library_name: mlx", "pipeline_tag: text-generation", "tags:", "- mlx", "- mlxinfer"]
+    if meta.get("license"):  # the source's terms still apply to its conversion
+        front.append(f"license: {meta['license']}")
     if meta.get("repo"):
         front.append(f"base_model: {meta['repo']}")
     front.append("---")

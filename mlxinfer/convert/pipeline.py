@@ -110,6 +110,15 @@ def _eval_defaults(opts: ConvertOptions, params: int) -> tuple[bool, int]:
     return params <= (AUTO_EVAL_MAX_PARAMS_CPU if on_cpu else AUTO_EVAL_MAX_PARAMS), tokens
 
 
+def _source_license(src_dir: Path, config: dict) -> str | None:
+    """The source's license: its model card's front matter, else what a GGUF import recorded from the file."""
+    record = config.get("mlxinfer") if isinstance(config.get("mlxinfer"), dict) else {}
+    recorded = record.get("license") if isinstance(record.get("license"), str) else None
+    from .card import card_license
+
+    return card_license(src_dir) or recorded
+
+
 def _copy_side_files(src: Path, dst: Path) -> None:
     for p in sorted(src.iterdir()):
         if not p.is_file() or p.name in SKIP_FILES or not is_model_file(p.name):
@@ -292,7 +301,7 @@ def _build(tmp: Path, info: SourceInfo, opts: ConvertOptions, recipe: R.Recipe |
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "parameters": parameters, "size_before": size_before, "size_after": stats.total_bytes,
         "bits_per_weight": round(stats.total_bytes * 8 / max(parameters, 1), 4),
-        "name": out.name, "out_dir": str(out),
+        "name": out.name, "out_dir": str(out), "license": _source_license(src_dir, config),
     }
     converted = {k: v for k, v in meta.items() if k not in ("name", "out_dir")}
     if isinstance(config.get("mlxinfer"), dict):  # e.g. the GGUF import's record: keep it with ours

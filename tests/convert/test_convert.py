@@ -188,3 +188,18 @@ def test_dtype_and_sharding(qwen3_src, tmp_path):
 
     loaded = mlxinfer.load(str(r.out_dir), kernels="builtin")
     assert loaded.quantization.startswith("none")
+
+
+def test_the_sources_license_is_kept_in_the_card(llama_src, tmp_path):
+    """The converted card dropped the source's license: `show` then said "license unknown" for an apache-2.0
+    model. Its terms still apply to the conversion."""
+    import shutil
+
+    from mlxinfer.convert import ConvertOptions, convert
+    from mlxinfer.convert.card import card_license
+
+    src = tmp_path / "src"
+    shutil.copytree(llama_src, src)
+    (src / "README.md").write_text("---\nlicense: mit\ntags:\n- text\n---\n# tiny\n")
+    out = convert(str(src), tmp_path / "out", ConvertOptions(bits=8, eval=False)).out_dir
+    assert card_license(out) == "mit"
