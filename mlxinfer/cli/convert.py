@@ -64,7 +64,8 @@ def convert_cmd(
     from ..ui.progress import load_progress, stderr_console
 
     if eval_tokens is not None and eval_tokens < 1:
-        raise InvalidParameter("--eval-tokens must be positive")
+        raise InvalidParameter(f"--eval-tokens {eval_tokens} must be positive",
+                               hint="give a token count such as 512, or --no-eval to skip the check")
     opts = ConvertOptions(
         bits=bits, group_size=group_size, mode=mode, recipe=recipe, dtype=dtype, dequantize=dequantize,
         requantize=requantize,
