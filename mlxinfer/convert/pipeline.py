@@ -226,7 +226,7 @@ def convert(
     if opts.alias:
         card.check_alias_free(opts.alias, opts.force)
     if opts.shard_bytes < 1:
-        raise InvalidParameter("the shard size must be positive", hint="write it like 512MB or 2GB (--shard-size)")
+        raise InvalidParameter("the shard size must be positive", hint="write --shard-size like 512MB or 2GB")
     info = resolve_source(source, revision=opts.revision, progress=progress)
     check_not_source(out, info.path)
     size_before = info.size_bytes()
