@@ -118,7 +118,8 @@ def plan_removal(target: Target):
         if not copy.is_dir():
             raise ModelNotFound(f"{target.label} has no import copy in the cache", hint="nothing to remove")
         return cache.plan_import_removal(copy, target.label)
-    raise InvalidModel(f"{spec.path} is your own directory, not a cache entry; mlxinfer does not delete it",
+    what = "directory" if spec.path is not None and spec.path.is_dir() else "file"
+    raise InvalidModel(f"{spec.path} is your own {what}, not a cache entry; mlxinfer does not delete it",
                        hint="remove it yourself if you mean to")
 
 

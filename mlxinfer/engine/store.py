@@ -31,7 +31,8 @@ def check_name(name: str) -> str:
     if not _NAME_RE.match(name or "") or name.endswith(".json"):
         raise SessionError(
             f"invalid session name {name!r}",
-            hint="use letters, digits, '.', '_' or '-' (up to 100 characters), e.g. my-notes",
+            hint="start with a letter or digit, then letters, digits, '.', '_' or '-' (up to 100 characters), "
+                 "e.g. my-notes",
         )
     return name
 

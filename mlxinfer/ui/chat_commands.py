@@ -29,7 +29,8 @@ class Command:
 
 
 def is_command(text: str) -> bool:
-    return bool(_COMMAND_RE.match(text.strip()))
+    # A lone "/" is a command started and not finished (it went to the model as a message): /help is the answer.
+    return text.strip() == "/" or bool(_COMMAND_RE.match(text.strip()))
 
 
 # ----- handlers: (app, arg) -> None | "exit" -----
@@ -278,6 +279,9 @@ def dispatch(app, text: str):
     name, _, arg = text.partition(" ")
     name = _ALIASES.get(name.lower(), name.lower())
     cmd = _BY_NAME.get(name)
+    if cmd is None and name == "/":
+        app.view.error("a command name is missing after '/' (/help lists commands)")
+        return None
     if cmd is None:
         near = difflib.get_close_matches(name, list(_BY_NAME), n=1, cutoff=0.4)
         app.view.error(f"unknown command {name}" + (f" — did you mean {near[0]}?" if near else "")

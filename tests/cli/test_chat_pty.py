@@ -104,7 +104,7 @@ def test_chat_conversation_commands_and_resume(pty, chat_env):
 
 
 def test_plain_mode_through_a_pipe(chat_env):
-    script = ('What is the capital of France?\n/set nonsense 1\ncaf\xe9 au lait\n/set temp 0\n'
+    script = ('What is the capital of France?\n/set nonsense 1\ncaf\xe9 au lait\n/set temp 0\n/\n'
               '"""\nWhat is the capital\nof France?\n"""\n').encode("latin-1")  # line 3 is not UTF-8
     out = subprocess.run(ENTRY + ["chat", "--temp", "0", "--max-tokens", "12"], input=script, env=chat_env,
                          capture_output=True, timeout=120)
@@ -114,9 +114,10 @@ def test_plain_mode_through_a_pipe(chat_env):
     assert "mlxinfer chat" not in stdout and "tok/s" not in stdout  # only replies on stdout
     assert "unknown setting 'nonsense'" in stderr and "set temperature = 0" in stderr
     assert "error: line 3 of the input is not valid UTF-8 (skipped)" in stderr
-    # The good lines ran; a script still learns that two did not.
+    assert "error: a command name is missing after '/' (/help lists commands)" in stderr  # not sent to the model
+    # The good lines ran; a script still learns that three did not.
     assert out.returncode == 2, stderr
-    assert stderr.strip().splitlines()[-1] == "error: 2 of the piped messages and commands failed (see the errors above)"
+    assert stderr.strip().splitlines()[-1] == "error: 3 of the piped messages and commands failed (see the errors above)"
     assert not re.search(r"\x1b\[", stdout)
 
 
