@@ -156,8 +156,11 @@ def load(name: str) -> dict:
         raise SessionError(f"no saved session '{name}'", hint=hint)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise SessionError(f"cannot read session {path}: {e}") from None
+    except OSError as e:
+        raise SessionError(f"cannot read session {path}: {e.strerror or e}") from None
+    except ValueError as e:  # not JSON, or not UTF-8: damaged (a full disk, an editor)
+        raise SessionError(f"session {path} is damaged ({e})",
+                           hint="repair or delete that file, or use another session name") from None
     try:
         return Session.check_dict(data)
     except SessionError as e:

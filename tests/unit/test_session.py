@@ -236,6 +236,20 @@ def test_save_and_load_round_trip(tiny, tmp_path, monkeypatch):
         store.load("notes-1")
 
 
+def test_a_damaged_session_file_says_how_to_get_past_it(tmp_path, monkeypatch):
+    from mlxinfer.engine import store
+    from mlxinfer.engine.session import SessionError
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    path = store.sessions_dir() / "bad.json"
+    path.parent.mkdir(parents=True)
+    for damage in (b"{bad", b'{"messages": "caf\xe9"}'):
+        path.write_bytes(damage)
+        with pytest.raises(SessionError, match=r"session .*bad\.json is damaged \(.+\) \(repair or delete that "
+                                               r"file, or use another session name\)"):
+            store.load("bad")
+
+
 def test_cancel_during_prefill_stops_at_a_chunk_boundary(tiny):
     from mlxinfer.engine.session import CHAT_PREFILL_STEP
 
