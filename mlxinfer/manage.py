@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import re
 import subprocess
 import sys
 from dataclasses import dataclass

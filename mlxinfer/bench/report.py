@@ -133,7 +133,8 @@ def provenance_lines(records: list[dict]) -> list[str]:
         w = records[0]["workload"]
         kv = (f", KV cache {w['kv_bits']}-bit" if w.get("kv_bits") else "") + (
             f", KV cache at most {w['max_kv_size']} tokens (rotating)" if w.get("max_kv_size") else "")
-        lines.append(f"workload: prompt {w['prompt_source']}, {w['warmup']} warmup + {w['repetitions']} repetition{'s' if w['repetitions'] != 1 else ''}, "
+        reps = f"{w['repetitions']} repetition{'s' if w['repetitions'] != 1 else ''}"
+        lines.append(f"workload: prompt {w['prompt_source']}, {w['warmup']} warmup + {reps}, "
                      f"{w['sampler']}, EOS ignored{kv}; mean ± std; {records[0]['timestamp']}, "
                      f"load average {records[0]['hardware'].get('load_avg_1m')}")
     return lines

@@ -72,7 +72,7 @@ def serve_cmd(
                              ("--batch-from", batch_from, 1), ("--prefix-cache-mb", prefix_cache_mb, 0)):
         if value < low:
             raise InvalidParameter(f"invalid {name} {value}: must be >= {low}")
-    for origin in allow_origin or []:  # a browser sends scheme://host[:port], nothing more: anything else never matches
+    for origin in allow_origin or []:  # a browser sends scheme://host[:port] and nothing else: others never match
         if origin != "*" and not re.fullmatch(r"https?://[^/\s?#]+", origin):
             raise InvalidParameter(f"invalid --allow-origin {origin!r}",
                                    hint="give scheme://host[:port], e.g. http://localhost:3000, or '*'")

@@ -78,9 +78,7 @@ def check_alias(name: str) -> None:
 
 def check_alias_free(name: str, replace: bool, user_file: Path | None = None) -> None:
     """Refuse a malformed alias, or one that exists already unless ``replace`` (checked before converting)."""
-    from ..registry import Registry
-
-    from ..registry import user_registry_path
+    from ..registry import Registry, user_registry_path
 
     check_alias(name)
     registry = Registry.load(user_file)

@@ -148,10 +148,10 @@ def evaluate(
     # NaN/inf logits (a NaN scale in the file) would report "KL nan, top-1 agreement 100%" and keep the output.
     if not math.isfinite(nll_src):
         raise NotFinite(f"the source model's output is not finite (NaN or inf): its weights in {source_dir} are "
-                           "corrupt", hint="download the source again")
+                        "corrupt", hint="download the source again")
     if not math.isfinite(nll_conv):
         raise NotFinite("the converted model's output is not finite (NaN or inf) where the source's is",
-                           hint="convert with more bits (--bits 8), or report it")
+                        hint="convert with more bits (--bits 8), or report it")
     k = np.maximum(np.concatenate(kls), 0.0)  # tiny negative values are float rounding
     return QualityReport(
         tokens=n,

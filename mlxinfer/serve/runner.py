@@ -1,4 +1,5 @@
-"""Run the app on uvicorn: checks before the model loads (address, key, port), a graceful drain on SIGTERM/SIGINT/SIGHUP."""
+"""Run the app on uvicorn: checks before the model loads (address, key, port), a graceful drain on
+SIGTERM/SIGINT/SIGHUP."""
 
 from __future__ import annotations
 

@@ -117,7 +117,8 @@ def test_plain_mode_through_a_pipe(chat_env):
     assert "error: a command name is missing after '/' (/help lists commands)" in stderr  # not sent to the model
     # The good lines ran; a script still learns that three did not.
     assert out.returncode == 2, stderr
-    assert stderr.strip().splitlines()[-1] == "error: 3 of the piped messages and commands failed (see the errors above)"
+    last = stderr.strip().splitlines()[-1]
+    assert last == "error: 3 of the piped messages and commands failed (see the errors above)"
     assert not re.search(r"\x1b\[", stdout)
 
 
