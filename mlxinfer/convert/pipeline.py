@@ -80,6 +80,9 @@ def plan_recipe(opts: ConvertOptions) -> R.Recipe | None:
             raise InvalidParameter(f"{flag} {value} is not supported", hint=f"use one of {allowed}")
     if opts.dequantize and opts.quantizes:
         raise InvalidParameter("--dequantize cannot be combined with --bits/--group-size/--mode/--recipe")
+    if opts.dequantize and opts.requantize:
+        raise InvalidParameter("--requantize cannot be combined with --dequantize (it allows quantizing again)",
+                               hint="drop one of them")
     if not opts.quantizes:
         return None
     if opts.recipe:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import InvalidModel, MlxinferError
+from ..errors import InvalidModel, InvalidParameter, MlxinferError
 from ..registry import ModelSpec, Registry
 
 Progress = Callable[[str, int, int], None]
@@ -120,6 +120,9 @@ def resolve_source(arg: str, *, revision: str | None = None, registry: Registry 
         return SourceInfo(label=spec.repo, kind="hf", path=path, revision=_revision_of(path) or rev, repo=spec.repo)
     if spec.path is None or not spec.path.exists():
         raise InvalidModel(f"no such file or directory: {spec.path}", hint="check the path")
+    if revision:  # it was ignored: a local file or folder has no branches or tags
+        raise InvalidParameter(f"--revision {revision} applies to Hub sources only; {arg} is on disk",
+                               hint="drop --revision")
     label = f"{spec.alias} ({spec.path.name})" if spec.alias else str(spec.path)
     info = _from_path(label, spec.path)
     if info.is_gguf:

@@ -114,6 +114,8 @@ def test_python_files_are_not_copied(llama_src, tmp_path):
     (dict(mode="nonsense"), "not supported by this MLX"),
     (dict(recipe="mixed_9_9"), "unknown recipe"),
     (dict(bits=4, dequantize=True), "cannot be combined"),
+    (dict(dequantize=True, requantize=True), "--requantize cannot be combined with --dequantize"),
+    (dict(bits=8, revision="main"), "--revision main applies to Hub sources only"),
     (dict(dtype="float64"), "float64"),
 ])
 def test_bad_options_fail_before_any_work(llama_src, tmp_path, opts, match):
