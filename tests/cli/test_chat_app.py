@@ -81,7 +81,7 @@ def test_context_overflow_notice_and_long_message(run_chat):
     lines = ["/set context 80"] + [f"Name a color, number {i}." for i in range(3)] + ["word " * 100]
     app, out, err, _ = run_chat(lines, max_tokens=10)
     assert "context full: dropped the 2 oldest messages" in err  # one exchange: the first
-    assert "the message needs" in err and "context holds 80" in err
+    assert "the message takes" in err and "no room for a reply in a 80-token context" in err
     # The refused message cost nothing: the exchanges left before it are still there.
     assert [m["content"] for m in app.session.messages[::2]] == ["Name a color, number 1.", "Name a color, number 2."]
     assert len(out.strip().split("\n")) >= 3 and app.session.context_used <= 80
