@@ -179,6 +179,9 @@ class Registry:
             return ModelSpec(name=arg, kind="hub", repo=repo, revision=rev or None)
         near = self.closest(arg)
         hint = f"did you mean '{near}'? " if near else ""
+        named = os.environ.get("MLXINFER_MODELS")
+        if named and not Path(named).expanduser().exists():  # a typo there hides every alias the user made
+            hint += f"MLXINFER_MODELS names {named}, which does not exist; "
         raise ModelNotFound(
             f"unknown model '{arg}'",
             hint=f"{hint}run 'mlxinfer models' for aliases, or give a Hub repo id (org/name) or a path",

@@ -139,3 +139,11 @@ def test_well_typed_entry_keeps_its_defaults(tmp_path):
     spec = Registry.load(user).resolve(None)
     assert spec.context == 64 and spec.params == "135"
     assert spec.defaults == {"temperature": 0, "top_p": 1, "system": "Be brief."}
+
+
+def test_unknown_alias_mentions_a_missing_models_file(tmp_path, monkeypatch):
+    """MLXINFER_MODELS pointing nowhere (a typo) silently left only the packaged aliases."""
+    missing = tmp_path / "nope.toml"
+    monkeypatch.setenv("MLXINFER_MODELS", str(missing))
+    with pytest.raises(ModelNotFound, match=f"MLXINFER_MODELS names {missing}, which does not exist"):
+        Registry.load().resolve("my-own-model")
