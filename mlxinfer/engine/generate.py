@@ -191,6 +191,56 @@ def _holdback(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+def _checked_request(loaded, prompt, params, stop) -> tuple[SamplingParams, list[int], tuple[str, ...]]:
+    """The API's arguments checked as the CLI's are (InvalidParameter, one line), not left to fail deep inside:
+    a model from ``load``, SamplingParams, a non-empty text or token ids in the vocabulary, stop strings."""
+    from ..errors import InvalidParameter
+    from .settings import vocab_size
+
+    if not (hasattr(loaded, "tokenizer") and hasattr(loaded, "model")) or loaded.model is None:
+        raise InvalidParameter("generation needs a model from mlxinfer.load(...)",
+                               hint=f"got {type(loaded).__name__}" + (" whose model was freed" if
+                                                                       hasattr(loaded, "model") else ""))
+    if params is not None and not isinstance(params, SamplingParams):
+        raise InvalidParameter(f"params must be a SamplingParams, not {type(params).__name__}",
+                               hint="e.g. SamplingParams(temperature=0, max_tokens=64)")
+    params = (params or SamplingParams()).validate()
+    if isinstance(prompt, str):
+        tokens = encode_prompt(loaded, prompt) if prompt.strip() else []
+    elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist") and not isinstance(prompt, bytes)):
+        tokens = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+        vocab = vocab_size(loaded)
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int)
+               or t < 0 or (vocab is not None and t >= vocab)][:1]
+        if bad:
+            bad = bad[0]
+            raise InvalidParameter(f"prompt token {bad!r} is not a token id of this model "
+                                   f"(0 to {vocab - 1 if vocab else '?'})", hint="pass text, or ids from its tokenizer")
+    else:
+        raise InvalidParameter(f"the prompt must be text or a list of token ids, not {type(prompt).__name__}")
+    if not tokens:
+        raise InvalidParameter("the prompt is empty", hint="pass some text or at least one token id")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string is one stop, not its letters
+    if any(not isinstance(s_, str) or not s_ for s_ in stops):
+        raise InvalidParameter("stop strings must be non-empty strings")
+    return params, tokens, stops
+
+
+def _fit_context(loaded, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+    """A prompt must leave room for one token in the model's context; the reply stops at the context's end."""
+    from ..errors import InvalidParameter
+    from .settings import context_length
+
+    context = context_length(loaded)
+    if prompt_tokens >= context:
+        raise InvalidParameter(f"the prompt has {prompt_tokens} tokens and the model's context holds {context}",
+                               hint="shorten the prompt")
+    room = context - prompt_tokens
+    if params.max_tokens == -1 or params.max_tokens > room:
+        params = params.with_values(max_tokens=room)
+    return params
+
+
 def stream_generate(
     loaded: LoadedModel,
     prompt: str | Sequence[int],
@@ -210,10 +260,9 @@ def stream_generate(
 
     from .steps import token_steps
 
-    params = (params or SamplingParams()).validate()
-    tokens = encode_prompt(loaded, prompt) if isinstance(prompt, str) else list(prompt)
-    if not tokens:
-        raise ValueError("stream_generate needs at least one prompt token")
+    params, tokens, stop = _checked_request(loaded, prompt, params, stop)
+    if cache is None and not (kv is not None and kv.max_size):  # a fresh, whole-context cache: it must fit
+        params = _fit_context(loaded, len(tokens), params)
     if params.seed is not None:
         mx.random.seed(params.seed)
     stats = GenerationStats(prompt_tokens=len(tokens))

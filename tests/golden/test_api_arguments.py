@@ -1,0 +1,59 @@
+"""The Python API checks its arguments as the CLI does: one InvalidParameter line, not a ValueError from MLX, an
+AttributeError deep inside, or garbage from token ids outside the vocabulary; a prompt must fit the context and
+a reply stops at its end (it ran past the context before)."""
+
+from __future__ import annotations
+
+import pytest
+
+import mlxinfer
+from mlxinfer import SamplingParams
+from mlxinfer.engine.generate import chat_prompt
+from mlxinfer.errors import InvalidParameter
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+
+
+@pytest.mark.parametrize("prompt, said", [
+    ("", "the prompt is empty"), ("   ", "the prompt is empty"), ([], "the prompt is empty"),
+    (None, "the prompt must be text or a list of token ids, not NoneType"),
+    (b"hello", "the prompt must be text or a list of token ids, not bytes"),
+    (["a", "b"], "prompt token 'a' is not a token id of this model (0 to 49151)"),
+    ([10**9], "prompt token 1000000000 is not a token id"), ([-1, 5], "prompt token -1 is not a token id"),
+])
+def test_bad_prompts_are_one_line(smollm2, prompt, said):
+    with pytest.raises(InvalidParameter, match=said.replace("(", r"\(").replace(")", r"\)")):
+        mlxinfer.generate(smollm2, prompt, GREEDY)
+
+
+def test_bad_model_and_params_are_one_line(smollm2):
+    with pytest.raises(InvalidParameter, match="generation needs a model from mlxinfer.load"):
+        mlxinfer.generate(None, "hi", GREEDY)
+    with pytest.raises(InvalidParameter, match="params must be a SamplingParams, not dict"):
+        mlxinfer.generate(smollm2, "hi", {"temperature": 0})
+    with pytest.raises(InvalidParameter, match="stop strings must be non-empty"):
+        mlxinfer.generate(smollm2, "hi", GREEDY, stop=[""])
+
+
+def test_the_context_bounds_prompt_and_reply(smollm2):
+    context = smollm2.context_length
+    words = chat_prompt(smollm2, [{"role": "user", "content": "hello " * (context + 100)}])
+    with pytest.raises(InvalidParameter, match=rf"the prompt has {len(words)} tokens and the model's context holds "
+                                               rf"{context}"):
+        mlxinfer.generate(smollm2, words, GREEDY)
+    near = words[: context - 5]
+    last = list(mlxinfer.stream_generate(smollm2, near, SamplingParams(temperature=0, max_tokens=300),
+                                         ignore_eos=True))[-1]
+    assert last.stats.generation_tokens == 5 and last.finish_reason == "length"
+
+
+def test_one_stop_string_is_one_stop(smollm2):
+    """stop="Paris" was read as the stops P, a, r, i, s."""
+    whole = mlxinfer.generate(smollm2, chat_prompt(smollm2, [{"role": "user", "content": "What is the capital of "
+                                                                                        "France?"}]),
+                              SamplingParams(temperature=0, max_tokens=16))
+    assert "Paris" in whole
+    cut = mlxinfer.generate(smollm2, chat_prompt(smollm2, [{"role": "user", "content": "What is the capital of "
+                                                                                      "France?"}]),
+                            SamplingParams(temperature=0, max_tokens=16), stop="Paris")
+    assert cut == whole[: whole.index("Paris")]
