@@ -260,8 +260,12 @@ class Session:
                     self.reset_cache()
         if turn.interrupted and (stats is None or stats.generation_tokens == 0) and not turn.terminated:
             # Cut off before the reply began: keep no half exchange (two user turns in a row break some templates).
+            if turn.dropped:  # the turns dropped to make room for it come back with it gone
+                self.messages = [dict(m) for m in turn.before]
             if self.messages and self.messages[-1]["role"] == "user":
                 self.messages.pop()
+            if turn.dropped:
+                self.sync()  # the cache held the shortened history: keep only what the restored one shares
             turn.discarded = True
             return
         reply = {"role": "assistant", "content": turn.text}

@@ -166,6 +166,24 @@ def test_cancel_before_any_text_drops_the_message(tiny):
     assert turn.discarded and [m["content"] for m in s.messages][0] == "First" and len(s.messages) == 2
 
 
+def test_cancel_before_any_text_gives_back_the_turns_dropped_for_the_message(tiny):
+    """A long message dropped the oldest turns to fit; Ctrl-C before its reply began dropped the message and kept
+    the shortened history (4 messages became 2, and the context count was off)."""
+    s = make_session(tiny, system="You are terse.", context=96, max_tokens=8)
+    run(s.send("Question one"))
+    run(s.send("Question two"))
+    history = [dict(m) for m in s.messages]
+    turn = s.send("word " * 40)
+    assert turn.dropped > 0
+    turn.cancel()
+    run(turn)
+    assert turn.discarded and s.messages == history
+    assert_cache_consistent(s)
+    t = run(s.send("Question three"))  # and the conversation goes on from there
+    assert t.dropped >= 0 and s.messages[-2]["content"] == "Question three"
+    assert_cache_consistent(s)
+
+
 def test_context_overflow_drops_oldest_turns_keeps_system(tiny):
     s = make_session(tiny, system="You are terse.", context=96, max_tokens=8)
     dropped = 0
