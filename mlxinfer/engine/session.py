@@ -195,7 +195,9 @@ class Session:
             raise SessionError(
                 f"the message takes {len(newest)} tokens with the system prompt and chat template, which leaves "
                 f"no room for a reply in a {limit}-token context",
-                hint="shorten it, shorten the system prompt, or raise the limit with /set context",
+                hint="shorten it or the system prompt" + (
+                    ", or raise the limit with /set context" if limit < self.loaded.context_length else
+                    f" ({limit} tokens is this model's whole context)"),
             )
         want = self.params.max_tokens if self.params.max_tokens > 0 else limit
         room = max(1, min(want, limit // 4))

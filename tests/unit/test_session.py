@@ -206,6 +206,13 @@ def test_message_longer_than_the_context_is_refused(tiny):
                        r"which leaves no room for a reply in a 48-token context"):
         s.send("word " * 80)  # (it said "needs 48 tokens but the context holds 48" at exactly the limit)
     assert s.messages == []
+    with pytest.raises(SessionError, match=r"raise the limit with /set context"):
+        s.send("word " * 80)
+    whole = make_session(tiny)  # at the model's whole context there is no limit to raise
+    full = tiny.context_length
+    with pytest.raises(SessionError, match=rf"\(shorten it or the system prompt \({full} tokens is this model's "
+                                           r"whole context\)\)"):
+        whole.send("word " * (full + 10))
 
 
 def test_settings_are_validated(tiny):
