@@ -76,7 +76,25 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 def chat_text(loaded: LoadedModel, messages: list[dict[str, str]], **template_vars) -> str:
     """The prompt text the model's chat template (sandboxed, time- and size-limited) makes of ``messages``."""
+    _check_messages(messages)
     return render(loaded.chat_template, messages, special_tokens=special_tokens_of(loaded.tokenizer), **template_vars)
+
+
+def _check_messages(messages) -> None:
+    """The caller's mistakes named as such: a message without role or text content failed inside the template and
+    was reported as the model's broken chat template."""
+    from ..errors import InvalidParameter
+
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidParameter("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidParameter(f"message {i} must be a dict with 'role' and 'content', not {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise InvalidParameter(f"message {i} has no 'role' (user, assistant or system)")
+        if not isinstance(m.get("content"), str):
+            raise InvalidParameter(f"message {i} ({m['role']}): 'content' must be text, "
+                                   f"not {type(m.get('content')).__name__}")
 
 
 def _chunks(text: str, size: int) -> Iterator[str]:

@@ -57,3 +57,15 @@ def test_one_stop_string_is_one_stop(smollm2):
                                                                                       "France?"}]),
                             SamplingParams(temperature=0, max_tokens=16), stop="Paris")
     assert cut == whole[: whole.index("Paris")]
+
+
+@pytest.mark.parametrize("messages, said", [
+    ([], "messages must be a non-empty list"), ("hi", "messages must be a non-empty list"),
+    ([{"role": "user"}], r"message 0 \(user\): 'content' must be text, not NoneType"),
+    ([{"role": "user", "content": 5}], r"message 0 \(user\): 'content' must be text, not int"),
+    ([{"content": "hi"}], r"message 0 has no 'role'"), (["hi"], r"message 0 must be a dict"),
+])
+def test_bad_messages_are_the_callers_not_the_templates(smollm2, messages, said):
+    """They were reported as "the model's chat template is broken: fix chat_template in its tokenizer_config"."""
+    with pytest.raises(InvalidParameter, match=said):
+        chat_prompt(smollm2, messages)
