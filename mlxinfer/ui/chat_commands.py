@@ -72,7 +72,7 @@ def _set(app, arg):
                       + (" (the conversation is prefilled again on the next message)" if again else ""))
         return
     shown = app.session.context_limit if field == "context" else getattr(app.session.params, field)
-    app.view.info(f"set {field} = {shown}")
+    app.view.info(f"set {field} = {'random' if field == 'seed' and shown is None else shown}")  # as /show says
 
 
 def _settings_rows(s: Session) -> list[tuple[str, str]]:
@@ -254,7 +254,7 @@ def _aliases(app) -> list[str]:
 COMMANDS = [
     Command("/help", "", "show this help", _help),
     Command("/clear", "", "start a new conversation (history and cache reset)", _clear),
-    Command("/system", "[TEXT]", "set the system prompt (show it with no text)", _system),
+    Command("/system", "[TEXT]", "set the system prompt (show it with no text; none or off removes it)", _system),
     Command("/set", "NAME VALUE", "change a setting: " + ", ".join(SETTING_NAMES), _set,
             lambda app: SETTING_NAMES),
     Command("/show", "", "model info, settings and context use", _show),
