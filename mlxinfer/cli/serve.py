@@ -95,6 +95,8 @@ def serve_cmd(
     resolve(spec.defaults, None, flags)  # bad flag values fail here, before the model loads
     loaded = load_model(spec, kernels=kernels)
     resolve(spec.defaults, None, flags, loaded=loaded)
+    if world is None:  # (under mlx.launch every rank would have to take part in the same step)
+        _first_step(loaded)
     engine_opts = dict(parallel=parallel, queue_size=queue_size, timeout=timeout or None,
                        prefix_cache_bytes=prefix_cache_mb << 20, prefill_chunk=prefill_chunk, batch_from=batch_from)
     if world is not None:
@@ -119,6 +121,20 @@ def serve_cmd(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     serve(loaded, opts, host=host, port=port, grace=grace, log_level=log_level)
     print("mlxinfer serve: stopped", file=sys.stderr, flush=True)
+
+
+def _first_step(loaded) -> None:
+    """One token through the engine before the port opens: a model whose output is not finite (corrupt weights)
+    stops the server here with one line instead of answering every request with garbage, and the first request
+    does not pay the kernels' one-time costs."""
+    from ..engine.generate import stream_generate
+    from ..engine.sampling import SamplingParams
+
+    tok = loaded.tokenizer
+    first = next((t for t in (getattr(tok, "bos_token_id", None), getattr(tok, "eos_token_id", None))
+                  if isinstance(t, int)), 0)
+    for _ in stream_generate(loaded, [first], SamplingParams(temperature=0, max_tokens=1), ignore_eos=True):
+        pass
 
 
 def register(app: typer.Typer) -> None:

@@ -271,3 +271,23 @@ def test_key_from_environment_allows_public_bind_checks(monkeypatch):
                              env={**__import__("os").environ, "MLXINFER_API_KEY": API_KEY})
     assert run.returncode == 2
     assert run.stderr.startswith(f"error: cannot listen on 0.0.0.0:{port}")
+
+
+def test_a_model_with_non_finite_output_does_not_start(smollm2_dir, tmp_path):
+    """A corrupt model (here a NaN norm) answered every request with garbage; one step before the port opens
+    refuses it in one line."""
+    import shutil
+
+    import mlx.core as mx
+
+    broken = tmp_path / "nan-model"
+    shutil.copytree(smollm2_dir, broken)
+    weights = mx.load(str(broken / "model.safetensors"))
+    norm = weights["model.norm.weight"]
+    weights["model.norm.weight"] = mx.full(norm.shape, float("nan"), dtype=norm.dtype)
+    mx.save_safetensors(str(broken / "model.safetensors"), weights, metadata={"format": "mlx"})
+    run = subprocess.run([sys.executable, "-m", "mlxinfer", "serve", str(broken), "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "error: the model's output is not finite (NaN or inf): its weights are corrupt (download or convert the "
+        "model again)"], run.stderr
