@@ -20,14 +20,16 @@ COLUMNS = ("model", "engine", "threads", "test", "prefill t/s", "decode t/s", "T
 LLAMA_COLUMNS = ("model", "size", "params", "backend", "threads", "test", "t/s")  # llama-bench's Markdown table
 # The CSV columns by default (llama-bench's CSV is a curated set too); --csv-all writes every field of the record.
 CSV_COLUMNS = (
-    "timestamp", "model.name", "model.model_type", "model.quantization", "model.params", "model.weight_bytes",
-    "model.dtype", "model.path", "engine.name", "engine.version", "engine.git_commit", "engine.backend",
-    "engine.kernels", "engine.threads", "hardware.chip", "hardware.cpu_cores", "hardware.bandwidth_gbps",
+    "timestamp", "model.name", "model.revision", "model.model_type", "model.quantization", "model.params",
+    "model.weight_bytes", "model.dtype", "model.path", "engine.name", "engine.version", "engine.git_commit",
+    "engine.git_dirty", "engine.mlx", "engine.mlx_lm", "engine.backend", "engine.kernels", "engine.threads",
+    "hardware.chip", "hardware.cpu_cores", "hardware.memory_bytes", "hardware.bandwidth_gbps",
     "hardware.bandwidth_method", "hardware.load_avg_1m", "test", "workload.kind", "workload.prompt_tokens",
-    "workload.gen_tokens", "workload.depth", "workload.batch", "workload.repetitions",
+    "workload.gen_tokens", "workload.depth", "workload.batch", "workload.prompt_source", "workload.warmup",
+    "workload.repetitions", "workload.kv_bits", "workload.max_kv_size",
     "results.prefill_tps.mean", "results.prefill_tps.std", "results.decode_tps.mean", "results.decode_tps.std",
     "results.decode_tps_per_sequence.mean", "results.ttft_s.mean", "results.e2e_s.mean", "results.itl_s.p50",
-    "results.itl_s.p99", "results.ttft_cold_s.mean", "results.ttft_warm_s.mean", "results.ttft_speedup",
+    "results.itl_s.p95", "results.itl_s.p99", "results.ttft_cold_s.mean", "results.ttft_warm_s.mean", "results.ttft_speedup",
     "results.peak_memory_bytes", "results.kv_cache_bytes", "results.bandwidth_gbps.mean", "results.bandwidth_share",
 )
 # Metrics compared between runs/engines: (results key, label, higher is better).
@@ -69,7 +71,8 @@ def summary_row(r: dict) -> list[str]:
         ttft = f"{format_mean_std(cold, 3)} cold → {format_mean_std(warm, 3)} warm ({res['ttft_speedup']:.1f}x)"
         return base + ["-", "-", ttft, "-", "-", fmt_bytes(res["peak_memory_bytes"]), "-", "-"]
     itl = res["itl_s"]
-    itl_text = f"{itl['p50'] * 1e3:.0f}/{itl['p95'] * 1e3:.0f}/{itl['p99'] * 1e3:.0f}" if itl["n"] else "-"
+    # Tenths of a millisecond: a fast model's 3.2/5.0/6.5 ms read 3/5/7, or one number for all three.
+    itl_text = f"{itl['p50'] * 1e3:.1f}/{itl['p95'] * 1e3:.1f}/{itl['p99'] * 1e3:.1f}" if itl["n"] else "-"
     bw = format_mean_std(res["bandwidth_gbps"]) if r["workload"]["gen_tokens"] > 1 else "-"
     if res.get("bandwidth_share") is not None and bw != "-":
         bw += " (over peak!)" if over_peak(r) else f" ({res['bandwidth_share'] * 100:.0f}%)"
@@ -151,7 +154,8 @@ def to_markdown(records: list[dict], baseline: list[dict] | None = None) -> str:
     parts = ["\n".join(f"- {line}" for line in provenance_lines(records)), md_table(COLUMNS, map(summary_row, records))]
     peer = peer_rows(records)
     if peer:
-        parts.append("mlxinfer vs mlx-lm (ratio = mlxinfer / mlx-lm)\n\n" + md_table(PEER_COLUMNS, peer))
+        parts.append("mlxinfer vs mlx-lm (ratio = mlxinfer / mlx-lm)\n\n" + md_table(PEER_COLUMNS, peer)
+                     + peer_dtype_note(records))
     if baseline is not None:
         parts.append(compare_part(records, baseline))
     chart = depth_chart(records)
@@ -269,6 +273,17 @@ def peer_pairs(records: list[dict]) -> list[tuple[dict, dict]]:
 
 def peer_rows(records: list[dict]) -> list[list[str]]:
     return _rows(peer_pairs(records))
+
+
+def peer_dtype_note(records: list[dict]) -> str:
+    """Under the peer ratios: each engine runs its own default dtype, which the ratios include (on a CPU mlx-lm's
+    float16 is far slower than float32); said where they differ, not only in the header lines."""
+    pairs = {(a["model"]["dtype"], b["model"]["dtype"]) for a, b in peer_pairs(records)
+             if a["model"].get("dtype") != b["model"].get("dtype")}
+    if not pairs:
+        return ""
+    ran = "; ".join(f"mlxinfer {a}, mlx-lm {b}" for a, b in sorted(pairs, key=str))
+    return f"\n\nnote: the engines ran different dtypes ({ran}), each its own default; the ratios include that"
 
 
 def compare_pairs(records: list[dict], baseline: list[dict]) -> list[tuple[dict, dict]]:

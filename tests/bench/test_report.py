@@ -106,6 +106,17 @@ def test_peer_rows_pair_engines_on_the_same_test(records):
     assert decode["ratio"] == pytest.approx(2.0)  # the synthetic mlx-lm is twice as slow
 
 
+def test_peer_ratios_say_when_the_engines_ran_different_dtypes(records):
+    """mlx-lm runs its float16 default on the CPU, far slower than mlxinfer's float32: the 77x ratios said
+    nothing of it below the table."""
+    assert "different dtypes" not in report.render(records, "md")
+    mixed = copy.deepcopy(records)
+    for r in mixed:
+        r["model"]["dtype"] = "float16" if r["engine"]["name"] == "mlx-lm" else "float32"
+    assert ("note: the engines ran different dtypes (mlxinfer float32, mlx-lm float16), each its own default; the "
+            "ratios include that") in report.render(mixed, "md")
+
+
 def test_markdown_has_provenance_table_peer_section_and_chart(records):
     md = report.render(records, "md", baseline=records)
     assert "Test CPU, 2 cores" in md and "abc1234def" in md and "4-bit affine, group 32" in md
@@ -166,9 +177,12 @@ def test_default_csv_is_the_curated_column_set(records):
     assert columns == [c for c in report.CSV_COLUMNS if c in columns]
     assert {"model.name", "model.params", "model.weight_bytes", "engine.backend", "engine.threads", "test",
             "results.prefill_tps.mean", "results.decode_tps.mean", "results.ttft_warm_s.mean"} <= set(columns)
+    # A row identifies the run (engine and library versions, model revision, memory, workload) and has p95 too.
+    assert {"engine.mlx", "engine.mlx_lm", "model.revision", "hardware.memory_bytes", "workload.warmup",
+            "workload.prompt_source", "results.itl_s.p50", "results.itl_s.p95", "results.itl_s.p99"} <= set(columns)
     assert not [c for c in columns if ".samples." in c]
     everything = list(csv.DictReader(io.StringIO(report.render(records, "csv", csv_all=True))))[0]
-    assert len(columns) <= 45 < len(everything)
+    assert len(columns) <= 55 < len(everything)
 
 
 def _llama_records(share_peak: float = 10.0):
