@@ -128,7 +128,7 @@ def check_context(name: str, context: int, cases: list[Case]) -> None:
     if worst.context_needed() > context:
         raise InvalidParameter(
             f"{worst.label} needs {worst.context_needed()} tokens of context but {name} holds {context}",
-            hint="lower -d/-p/-n (depth + prompt + generated must fit)",
+            hint="lower -d, --prefix-cache, -p or -n: their sum must fit",
         )
 
 

@@ -178,7 +178,10 @@ def completion_prompt(data: dict) -> str | list[int]:
         p = p[0]  # one prompt in a list; several would be n > 1
     if isinstance(p, str) and p:
         return p
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        negative = next((t for t in p if t < 0), None)
+        if negative is not None:  # a token list, but not of token ids: say which (as ids past the vocabulary get)
+            raise bad(f"'prompt' token id {negative} is outside the vocabulary", param="prompt")
         return p
     raise bad("'prompt' must be a non-empty string or token list (one prompt per request)", param="prompt")
 

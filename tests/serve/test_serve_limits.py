@@ -56,6 +56,8 @@ def test_over_long_prompts_get_400(server):
 def test_token_prompts_are_checked_against_the_vocabulary(server):
     r = httpx.post(server.url("/v1/completions"), json={"prompt": [1, 2, 10**7], "max_tokens": 2}, timeout=30)
     assert "outside the vocabulary" in assert_openai_error(r, 400)["message"]
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": [-1, 5], "max_tokens": 2}, timeout=30)
+    assert "token id -1 is outside the vocabulary" in assert_openai_error(r, 400)["message"]
     r = httpx.post(server.url("/v1/completions"), json={"prompt": [504, 3458, 314], "max_tokens": 2,
                                                         "temperature": 0}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
