@@ -86,7 +86,14 @@ def plan_recipe(opts: ConvertOptions) -> R.Recipe | None:
     if not opts.quantizes:
         return None
     if opts.recipe:
-        recipe = R.load_recipe(opts.recipe).with_overrides(opts.bits, opts.group_size, opts.mode)
+        base = R.load_recipe(opts.recipe)
+        high = max((r.bits or 0 for r in base.rules), default=0) if opts.recipe in R.BUILTIN else 0
+        if opts.bits and high and opts.bits >= high:  # mixed_4_6 --bits 8: the "kept finer" layers became coarser
+            raise InvalidParameter(f"--recipe {opts.recipe} keeps its sensitive layers at {high} bits: --bits "
+                                   f"{opts.bits} for the rest leaves nothing finer",
+                                   hint=f"drop --recipe for a uniform {opts.bits}-bit model, or give --bits "
+                                        f"below {high}")
+        recipe = base.with_overrides(opts.bits, opts.group_size, opts.mode)
     else:
         recipe = R.uniform(opts.bits, opts.group_size, opts.mode)
     R.validate(recipe)

@@ -108,7 +108,7 @@ def test_python_files_are_not_copied(llama_src, tmp_path):
     (dict(bits=7), r"^7 bits is not supported"),
     (dict(bits=0), r"--bits 0 is not supported"),
     (dict(bits=8, group_size=0), r"--group-size 0 is not supported"),
-    (dict(recipe="mixed_4_6", bits=7), r"7 bits \(default\)"),
+    (dict(recipe="mixed_4_6", bits=8), r"--recipe mixed_4_6 keeps its sensitive layers at 6 bits: --bits 8"),
     (dict(group_size=48), "group size 48"),
     (dict(mode="mxfp4", bits=8), "mxfp4.*needs 4 bits"),
     (dict(mode="nonsense"), "not supported by this MLX"),
