@@ -29,8 +29,8 @@ CSV_COLUMNS = (
     "workload.repetitions", "workload.kv_bits", "workload.max_kv_size",
     "results.prefill_tps.mean", "results.prefill_tps.std", "results.decode_tps.mean", "results.decode_tps.std",
     "results.decode_tps_per_sequence.mean", "results.ttft_s.mean", "results.e2e_s.mean", "results.itl_s.p50",
-    "results.itl_s.p95", "results.itl_s.p99", "results.ttft_cold_s.mean", "results.ttft_warm_s.mean", "results.ttft_speedup",
-    "results.peak_memory_bytes", "results.kv_cache_bytes", "results.bandwidth_gbps.mean", "results.bandwidth_share",
+    "results.itl_s.p95", "results.itl_s.p99", "results.ttft_cold_s.mean", "results.ttft_warm_s.mean",
+    "results.ttft_speedup", "results.peak_memory_bytes", "results.kv_cache_bytes", "results.bandwidth_gbps.mean", "results.bandwidth_share",
 )
 # Metrics compared between runs/engines: (results key, label, higher is better).
 COMPARED = (("prefill_tps", "prefill t/s", True), ("decode_tps", "decode t/s", True), ("ttft_s", "TTFT s", False),
