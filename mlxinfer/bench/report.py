@@ -72,7 +72,7 @@ def summary_row(r: dict) -> list[str]:
         return base + ["-", "-", ttft, "-", "-", fmt_bytes(res["peak_memory_bytes"]), "-", "-"]
     itl = res["itl_s"]
     # Tenths of a millisecond: a fast model's 3.2/5.0/6.5 ms read 3/5/7, or one number for all three.
-    itl_text = f"{itl['p50'] * 1e3:.1f}/{itl['p95'] * 1e3:.1f}/{itl['p99'] * 1e3:.1f}" if itl["n"] else "-"
+    itl_text = f"{itl['p50'] * 1e3:.1f}/{itl['p95'] * 1e3:.1f}/{itl['p99'] * 1e3:.1f}" if itl and itl["n"] else "-"
     bw = format_mean_std(res["bandwidth_gbps"]) if r["workload"]["gen_tokens"] > 1 else "-"
     if res.get("bandwidth_share") is not None and bw != "-":
         bw += " (over peak!)" if over_peak(r) else f" ({res['bandwidth_share'] * 100:.0f}%)"
@@ -356,7 +356,7 @@ def depth_chart(records: list[dict], width: int = 40) -> list[str]:
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         w = r["workload"]
-        if w["kind"] != "prefix":
+        if w["kind"] != "prefix" and r["results"].get("decode_tps"):  # (a prefill-only test decodes nothing)
             key = (r["engine"]["name"], r["model"]["name"], w["prompt_tokens"], w["gen_tokens"], w["batch"])
             groups.setdefault(key, []).append(r)
     lines: list[str] = []

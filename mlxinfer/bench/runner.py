@@ -380,18 +380,19 @@ def _decode_results(case: Case, samples: list, weights: int, hardware: dict) -> 
         # More than the peak is not a DRAM figure: the peak is low (a busy probe) or caches served the weights.
         note = (f"above the peak of {peak_bw:.1f} GB/s ({hardware.get('bandwidth_source')}): the peak is too low "
                 "or the weights were read from CPU caches")
+    decoded = case.gen > 1  # a prefill-only test (llama-bench's ppN) measured no decode: null, not zeros
     return {
         "prefill_tps": summarize([s.prefill_tps for s in samples]),
-        "decode_tps": summarize([s.decode_tps for s in samples]),
-        "decode_tps_per_sequence": summarize([s.decode_tps / case.batch for s in samples]),
+        "decode_tps": summarize([s.decode_tps for s in samples]) if decoded else None,
+        "decode_tps_per_sequence": summarize([s.decode_tps / case.batch for s in samples]) if decoded else None,
         "ttft_s": summarize([s.ttft for s in samples]),
         "e2e_s": summarize([s.e2e for s in samples]),
-        "itl_s": summarize(latencies, percentiles=True),
+        "itl_s": summarize(latencies, percentiles=True) if decoded else None,
         "peak_memory_bytes": max(s.peak_memory for s in samples),
         "kv_cache_bytes": int(kv_end * case.batch),
         "weight_bytes_read_per_step": int(weights),
         "decode_bytes_per_step": int(step_bytes),
-        "bandwidth_gbps": bw,
+        "bandwidth_gbps": bw if decoded else None,
         "bandwidth_share": share,
         "bandwidth_note": note,
         "samples": {"prefill_tps": [s.prefill_tps for s in samples], "decode_tps": [s.decode_tps for s in samples],

@@ -272,3 +272,21 @@ def test_compare_with_no_common_test_says_so(records):
             "the baseline's tests to compare") in text
     assert "ratio = this run / baseline" not in text
     assert "ratio = this run / baseline" in report.to_markdown(records, copy.deepcopy(records))
+
+
+def test_a_prefill_only_test_records_no_decode_figures(records):
+    """llama-bench's ppN decodes nothing: its record said decode 0.0 tok/s, ITL 0 ms and 0 GB/s (a script that
+    averaged them got zeros) and --compare printed a 'decode t/s 0.000 0.000 -' row. They are null now."""
+    from mlxinfer.bench.workload import Case
+
+    from bench_fakes import make_record, stream_sample
+
+    pp = make_record(Case("pp", 16, 1, 0, 1), [stream_sample(0.2, [], 16), stream_sample(0.25, [], 16)])
+    res = pp["results"]
+    assert res["decode_tps"] is None and res["itl_s"] is None and res["bandwidth_gbps"] is None
+    assert res["prefill_tps"]["mean"] > 0
+    assert [m["metric"] for m in report.pair_metrics(pp, copy.deepcopy(pp))] == ["prefill t/s", "TTFT s",
+                                                                                 "peak mem MB"]
+    for fmt in ("md", "csv", "json"):
+        report.render(records + [pp], fmt)  # every format takes it
+    assert report.render([pp], "md").count("| - |") >= 1
