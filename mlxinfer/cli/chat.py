@@ -159,6 +159,9 @@ def chat(
 
         app = ChatApp(chat_session, make_view(plain), None, kernels=kernels, show_stats=not plain,
                       session_name=name, autosave=name is not None, registry=registry, lock=lock)
+        # The session holds the model from here: this frame's names would keep it alive after /model switches
+        # (the old model's memory stayed in use: 187.6 MB for a 93.8 MB model).
+        del loaded, chat_session
         app.reader = make_reader(plain, completer=None if plain else completer_for(app))
         if world is not None:  # rank 0 reads and broadcasts each line; the others run the same lines
             from ..distributed import describe, follow

@@ -170,3 +170,30 @@ def test_a_save_is_not_cut_by_sigterm():
         assert signal.getsignal(signal.SIGTERM) is raise_terminated
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_model_switch_frees_the_old_model(monkeypatch, tmp_path):
+    """The chat command's own frame kept the first model alive: after /model the header said 187.6 MB in use for
+    a 93.8 MB model, and a large model would have stayed twice in memory."""
+    import gc
+    import io
+    import weakref
+
+    from mlxinfer.cli.main import main
+    from mlxinfer.ui import chat_loop
+
+    for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
+        monkeypatch.setenv(var, str(tmp_path / var))
+    freed = []
+    switch = chat_loop.ChatApp.switch_model
+
+    def watched(self, arg):
+        old = weakref.ref(self.session.loaded.model)
+        switch(self, arg)
+        gc.collect()
+        freed.append(old() is None)
+
+    monkeypatch.setattr(chat_loop.ChatApp, "switch_model", watched)
+    monkeypatch.setattr("sys.stdin", io.StringIO("/model smollm2\n"))
+    assert main(["chat", "--temp", "0", "-n", "3"]) == 0
+    assert freed == [True]
