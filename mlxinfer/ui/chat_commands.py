@@ -287,6 +287,9 @@ def dispatch(app, text: str):
         app.view.error(f"unknown command {name}" + (f" — did you mean {near[0]}?" if near else "")
                        + " (/help lists commands)")
         return None
+    if not cmd.args and arg.strip():  # "/bye now" quit and "/clear all" cleared: a typo must not act silently
+        app.view.error(f"{cmd.name} takes no argument (got {arg.strip()!r}); send {cmd.name} alone")
+        return None
     return cmd.run(app, arg.strip())
 
 

@@ -87,6 +87,15 @@ def test_context_overflow_notice_and_long_message(run_chat):
     assert len(out.strip().split("\n")) >= 3 and app.session.context_used <= 80
 
 
+def test_a_command_that_takes_no_argument_refuses_one(run_chat):
+    """"/bye now" quit and "/clear all" cleared: a typo acted silently."""
+    app, out, err, _ = run_chat(["Say hi.", "/clear all", "/bye now", "/show"], max_tokens=3)
+    assert "error: /clear takes no argument (got 'all'); send /clear alone" in err
+    assert "error: /bye takes no argument (got 'now'); send /bye alone" in err
+    assert len(app.session.messages) == 2  # not cleared, and the chat went on to /show
+    assert "messages" in err
+
+
 def test_split_think():
     assert split_think("plain answer") == (None, "plain answer", False)
     assert split_think("<think>hmm") == ("hmm", "", True)
