@@ -85,8 +85,8 @@ def _check_messages(messages) -> None:
     was reported as the model's broken chat template."""
     from ..errors import InvalidParameter
 
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise InvalidParameter("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    if not isinstance(messages, (list, tuple)):  # (empty is fine: a chat renders its system prompt alone)
+        raise InvalidParameter("messages must be a list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise InvalidParameter(f"message {i} must be a dict with 'role' and 'content', not {type(m).__name__}")

@@ -60,7 +60,7 @@ def test_one_stop_string_is_one_stop(smollm2):
 
 
 @pytest.mark.parametrize("messages, said", [
-    ([], "messages must be a non-empty list"), ("hi", "messages must be a non-empty list"),
+    ("hi", "messages must be a list"), ({"role": "user"}, "messages must be a list"),
     ([{"role": "user"}], r"message 0 \(user\): 'content' must be text, not NoneType"),
     ([{"role": "user", "content": 5}], r"message 0 \(user\): 'content' must be text, not int"),
     ([{"content": "hi"}], r"message 0 has no 'role'"), (["hi"], r"message 0 must be a dict"),

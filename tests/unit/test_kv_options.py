@@ -215,8 +215,12 @@ def test_session_goes_past_the_cap_and_saves_its_kv_settings(smollm2_auto):
     assert back.kv == KVOptions(max_size=40)
     list(back.send("Thanks."))
     assert back.messages[-1]["role"] == "assistant"
-    with pytest.raises(InvalidParameter, match="cannot be combined"):
+    # /set names in /set's messages (they said "--kv-bits", the command-line flag)
+    with pytest.raises(InvalidParameter, match=r"kv_bits and max_kv_size cannot be combined .*\(turn the other off "
+                                               r"first: /set max_kv_size off\)"):
         back.set("kv-bits", "8")  # with max_kv_size still set: refused, nothing changed
+    with pytest.raises(InvalidParameter, match=r"^invalid kv_bits 3: use 4 or 8"):
+        back.set("kv_bits", "3")
     assert back.kv == KVOptions(max_size=40) and back._cache is not None
     back.set("max_kv_size", "off")
     back.set("kv-bits", "8")
