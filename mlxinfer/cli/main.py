@@ -164,6 +164,15 @@ def _give_usage_context(e: Exception, argv: list[str] | None) -> None:
         pass
 
 
+def _follower_rank() -> bool:
+    """A rank other than 0 of a launched run, from the launcher's variables (before any group exists)."""
+    from ..distributed.group import launched
+
+    env = os.environ
+    rank = next((env[k] for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if k in env), "0")
+    return launched() and rank.strip() != "0"
+
+
 def _usage_line(e: Exception) -> str:
     """A click usage error as one line: its message (click's "Did you mean ...?" included) and where to look."""
     try:
@@ -251,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except _click_exceptions() as e:
         _give_usage_context(e, argv)
-        _say(f"error: {_usage_line(e)}")  # one line, like every other error (click's own is four)
+        if not _follower_rank():  # under mlx.launch every rank parses the same line: rank 0 alone says it
+            _say(f"error: {_usage_line(e)}")  # one line, like every other error (click's own is four)
         return 2
     except UnicodeDecodeError as e:
         if debug_enabled():

@@ -144,3 +144,14 @@ def test_stats_line_is_one_line_when_stderr_is_not_a_terminal(tiny, env):
 if sys.platform != "linux":  # /dev/full is Linux's
     test_stdout_on_a_full_device_is_one_line = pytest.mark.skip("needs /dev/full")(
         test_stdout_on_a_full_device_is_one_line)
+
+
+def test_a_usage_error_is_said_once_under_the_launcher(env):
+    """mlx.launch starts every rank with the same arguments: each printed the same usage error (two lines for
+    one mistake); rank 0 alone says it, every rank still exits 2."""
+    for rank, said in (("0", True), ("1", False)):
+        proc = subprocess.run([*MLXINFER, "generate", "--bogus"], capture_output=True, text=True, timeout=60,
+                              env={**env, "MLX_RANK": rank, "MLX_HOSTFILE": "/nonexistent/hosts.json"},
+                              stdin=subprocess.DEVNULL)
+        assert proc.returncode == 2
+        assert ("no such option: --bogus" in proc.stderr) is said, proc.stderr
