@@ -204,8 +204,12 @@ def _translate(err: BaseException, repo: str, revision: str | None) -> MlxinferE
         return _not_understood(label)
     if isinstance(err, (LocalEntryNotFoundError, httpx2.HTTPError, ConnectionError, TimeoutError, HubStalled)):
         cause = err.__cause__ or err
+        # A body cut short: the Hub answered, then the connection dropped ("cannot be reached" was wrong then).
+        cut = isinstance(cause, (httpx2.RemoteProtocolError, httpx2.ReadError)) or "incomplete message body" in str(
+            cause) or "without sending complete message body" in str(cause)
+        why = "the connection dropped during the download" if cut else "the Hub cannot be reached"
         return DownloadError(
-            f"download of {label} failed: the Hub cannot be reached ({_reason(cause)})",
+            f"download of {label} failed: {why} ({_reason(cause)})",
             hint="check the connection and run again; finished files are kept",
         )
     if isinstance(err, OSError):
