@@ -107,7 +107,7 @@ def test_a_long_stdin_prompt_shows_progress_and_is_refused_fast(tiny, env):
     (("--warmup", "99999999"), ("invalid warmup",)), (("--seed", "-1"), ("invalid seed -1",)),
     (("--bandwidth", "inf"), ("invalid bandwidth inf",)), (("--bandwidth", "nan"), ("invalid bandwidth nan",)),
     (("-p", "1-100000000"), ("more than",)),
-    (("-p", "600"), ("needs 728 tokens of context", f"holds {CONTEXT}", "lower -d/-p/-n")),
+    (("-p", "600"), ("needs 728 tokens of context", f"holds {CONTEXT}", "lower -d, --prefix-cache, -p or -n")),
 ])
 def test_bench_flags_are_refused_with_one_line(tiny, env, flags, needles):
     proc = run_in_process("bench", str(tiny), *flags, env=env)
