@@ -99,7 +99,7 @@ def _quant(config: dict) -> str:
 
 def cache_rows(registry: Registry) -> list[ModelRow]:
     """Hub repos MLX can load (huggingface_hub's cache scan) and GGUF imports, whichever aliases name them."""
-    from .sources.cache import gguf_imports, hub_models
+    from .sources.cache import gguf_imports, hub_models, incomplete_hub_repos
 
     by_repo: dict[str, list[str]] = {}
     by_file: dict[str, list[str]] = {}
@@ -118,6 +118,12 @@ def cache_rows(registry: Registry) -> list[ModelRow]:
             alias=None, description=f"{config.get('model_type', '?')} ({refs})", params="", quant=_quant(config),
             source=m.name, on_disk=True, disk_bytes=m.disk_bytes, location=str(m.path), origin="hub cache",
             kind="hub", name=m.name, revisions=m.revisions, aliases=by_repo.get(m.name, []),
+        ))
+    for m in incomplete_hub_repos():  # listed, or their space could only be found by knowing the name
+        rows.append(ModelRow(
+            alias=None, description=f"incomplete download (mlxinfer pull {m.name} finishes it, rm removes it)",
+            params="", quant="", source=m.name, on_disk=False, disk_bytes=m.disk_bytes, location=str(m.path),
+            origin="hub cache", kind="hub", name=m.name, aliases=by_repo.get(m.name, []),
         ))
     for m in gguf_imports():
         label = m.info.get("size_label", "")

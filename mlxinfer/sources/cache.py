@@ -58,6 +58,23 @@ def hub_models() -> list[CachedModel]:
     return rows
 
 
+def incomplete_hub_repos() -> list[CachedModel]:
+    """Model repos in the Hub cache that take space but have no snapshot MLX can load: a download that stopped
+    part way (``rm`` removes them; ``pull`` finishes them). ``path`` is the repo's cache folder."""
+    info = _scan()
+    rows = []
+    for repo in sorted(info.repos if info else [], key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model" or any(_loadable(r) for r in repo.revisions):
+            continue
+        # A model download cut short: a snapshot with its config but not its weights, or a blob still being
+        # written. (A repo another tool cached without weights, e.g. a README alone, is no model: not listed.)
+        has_config = any(f.file_name == "config.json" for r in repo.revisions for f in r.files)
+        partial = any(Path(repo.repo_path, "blobs").glob("*.incomplete"))
+        if has_config or partial:
+            rows.append(CachedModel(kind="hub", name=repo.repo_id, path=repo.repo_path, disk_bytes=repo.size_on_disk))
+    return rows
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 

@@ -104,6 +104,14 @@ def test_pull_list_show_rm_a_hub_model(hub, caches):
                     endpoint=hub.endpoint)
     hub_rows = rows_of(env, "hub")
     assert list(hub_rows) == [TINY_REPO]
+    # A model download cut short is listed (its space could only be found by knowing the name), not as on disk.
+    hub.add_model_dir("org/cut", Path(hub_rows[TINY_REPO]["location"]), dropped=("model.safetensors",))
+    assert cli(env, "pull", "org/cut").returncode == 2
+    cut = rows_of(env, "hub")["org/cut"]
+    assert cut["on_disk"] is False and cut["disk_bytes"] > 0
+    assert cut["description"] == "incomplete download (mlxinfer pull org/cut finishes it, rm removes it)"
+    assert cli(env, "rm", "org/cut", "--yes").returncode == 0 and list(rows_of(env, "hub")) == [TINY_REPO]
+    hub_rows = rows_of(env, "hub")
     row = hub_rows[TINY_REPO]
     blobs = Path(env["HF_HOME"]) / "hub" / f"models--{TINY_REPO.replace('/', '--')}" / "blobs"
     on_disk = sum(p.stat().st_size for p in blobs.iterdir())
