@@ -181,10 +181,10 @@ def list_sessions() -> list[SessionInfo]:
     out = []
     for name in names():
         path = session_path(name)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+        try:  # listed as /load would read it: a file /load refuses is "unreadable", not "4 messages"
+            data = Session.check_dict(json.loads(path.read_text(encoding="utf-8")))
             model, count = str(data.get("model", "?")), len(data.get("messages", []))
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, ValueError, TypeError, AttributeError, SessionError):
             model, count = "unreadable", 0
         out.append(SessionInfo(name, path, path.stat().st_mtime, model, count, holder(name)))
     return out

@@ -273,6 +273,9 @@ def test_a_damaged_session_file_says_how_to_get_past_it(tmp_path, monkeypatch):
         with pytest.raises(SessionError, match=r"session .*bad\.json is damaged \(.+\) \(repair or delete that "
                                                r"file, or use another session name\)"):
             store.load("bad")
+    # JSON of the right format, but not a session /load takes ("messages" not a list): listed as unreadable
+    path.write_text(json.dumps({"format": "mlxinfer.session", "version": 1, "messages": "nope"}))
+    assert [(i.name, i.model, i.messages) for i in store.list_sessions()] == [("bad", "unreadable", 0)]
 
 
 def test_cancel_during_prefill_stops_at_a_chunk_boundary(tiny):
