@@ -213,7 +213,7 @@ def _checked_request(loaded, prompt, params, stop) -> tuple[SamplingParams, list
     """The API's arguments checked as the CLI's are (InvalidParameter, one line), not left to fail deep inside:
     a model from ``load``, SamplingParams, a non-empty text or token ids in the vocabulary, stop strings."""
     from ..errors import InvalidParameter
-    from .settings import vocab_size
+    from .settings import bad_token, vocab_size
 
     if not (hasattr(loaded, "tokenizer") and hasattr(loaded, "model")) or loaded.model is None:
         raise InvalidParameter("generation needs a model from mlxinfer.load(...)",
@@ -225,13 +225,11 @@ def _checked_request(loaded, prompt, params, stop) -> tuple[SamplingParams, list
     params = (params or SamplingParams()).validate()
     if isinstance(prompt, str):
         tokens = encode_prompt(loaded, prompt) if prompt.strip() else []
-    elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist") and not isinstance(prompt, bytes)):
+    elif isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):  # (an mx / NumPy array of ids too)
         tokens = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
         vocab = vocab_size(loaded)
-        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int)
-               or t < 0 or (vocab is not None and t >= vocab)][:1]
-        if bad:
-            bad = bad[0]
+        bad = bad_token(tokens, vocab)
+        if bad is not None:
             raise InvalidParameter(f"prompt token {bad!r} is not a token id of this model "
                                    f"(0 to {vocab - 1 if vocab else '?'})", hint="pass text, or ids from its tokenizer")
     else:

@@ -83,6 +83,13 @@ def vocab_size(loaded) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+def bad_token(tokens, vocab: int | None):
+    """The first of ``tokens`` that is not a token id of a ``vocab``-sized vocabulary (not an int, a bool, negative,
+    or past its end), else None; the API and the server both refuse prompts with one."""
+    return next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or t < 0
+                 or (vocab is not None and t >= vocab)), None)
+
+
 def context_length(loaded) -> int:
     return int(loaded.context_length)
 

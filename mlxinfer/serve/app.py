@@ -123,7 +123,7 @@ class Api:
     def _job(self, data: dict, kind: str) -> s.Job:
         """Validate and tokenize (runs in a worker thread: templates and tokenizers take a while on long input)."""
         from ..engine.generate import chat_prompt, encode_prompt
-        from ..engine.settings import vocab_size
+        from ..engine.settings import bad_token, vocab_size
         from ..errors import MlxinferError
 
         loaded = self.loaded
@@ -150,8 +150,9 @@ class Api:
             else:
                 tokens = prompt
                 vocab = vocab_size(loaded)
-                if vocab and max(tokens) >= vocab:
-                    raise s.bad(f"token id {max(tokens)} is outside the vocabulary (size {vocab})", param="prompt")
+                bad = bad_token(tokens, vocab)  # (schemas checked they are ints; negative or too large here)
+                if bad is not None:
+                    raise s.bad(f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
         except (MlxinferError, ValueError, TypeError) as e:
             raise s.bad(f"cannot build the prompt: {e}", param="messages" if kind == "chat" else "prompt") from None
         if not tokens:

@@ -179,10 +179,7 @@ def completion_prompt(data: dict) -> str | list[int]:
     if isinstance(p, str) and p:
         return p
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        negative = next((t for t in p if t < 0), None)
-        if negative is not None:  # a token list, but not of token ids: say which (as ids past the vocabulary get)
-            raise bad(f"'prompt' token id {negative} is outside the vocabulary", param="prompt")
-        return p
+        return p  # ids outside the vocabulary, negative ones too, are named where the vocabulary is known (app)
     raise bad("'prompt' must be a non-empty string or token list (one prompt per request)", param="prompt")
 
 
