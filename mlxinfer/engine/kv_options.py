@@ -44,10 +44,13 @@ class KVOptions:
     def active(self) -> bool:
         return self.bits is not None or self.max_size is not None
 
-    def validate(self, context_length: int | None = None) -> "KVOptions":
-        """``self`` when valid; else InvalidParameter naming the flag, its allowed values and the value."""
+    def validate(self, context_length: int | None = None, *, names: tuple[str, str] = ("--kv-bits", "--max-kv-size"),
+                 combine_hint: str = "use one of them") -> "KVOptions":
+        """``self`` when valid; else InvalidParameter naming the setting (``names``: how the caller's user spells
+        bits and max_size, the flags by default, /set's names in chat), its allowed values and the value."""
+        bits_name, size_name = names
         if self.bits is not None and (not _is_int(self.bits) or self.bits not in KV_BITS):
-            raise InvalidParameter(f"invalid --kv-bits {self.bits!r}: use 4 or 8",
+            raise InvalidParameter(f"invalid {bits_name} {self.bits!r}: use 4 or 8",
                                    hint="leave it off for a full-precision cache")
         if not _is_int(self.group_size) or self.group_size not in KV_GROUP_SIZES:
             raise InvalidParameter(f"invalid KV group size {self.group_size!r}: use 32, 64 or 128")
@@ -57,11 +60,11 @@ class KVOptions:
             top = f"{context_length} (the model's context)" if context_length else "the model's context"
             if not _is_int(self.max_size) or self.max_size < MIN_KV_SIZE or (
                     context_length is not None and self.max_size > context_length):
-                raise InvalidParameter(f"invalid --max-kv-size {self.max_size!r}: must be between {MIN_KV_SIZE} "
+                raise InvalidParameter(f"invalid {size_name} {self.max_size!r}: must be between {MIN_KV_SIZE} "
                                        f"and {top}", hint="leave it off to keep the whole context")
             if self.bits is not None:
-                raise InvalidParameter("--kv-bits and --max-kv-size cannot be combined (mlx-lm has no quantized "
-                                       "rotating cache)", hint="use one of them")
+                raise InvalidParameter(f"{bits_name} and {size_name} cannot be combined (mlx-lm has no quantized "
+                                       "rotating cache)", hint=combine_hint)
         return self
 
     def describe(self) -> str:

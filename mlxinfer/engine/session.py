@@ -129,13 +129,10 @@ class Session:
             except ValueError:
                 raise InvalidParameter(f"invalid {key} {value!r}: expected a whole number or 'off'") from None
         field = next(iter(pick({key: 0})))
-        try:
-            opts = replace(self.kv, **{field: value}).validate(self.loaded.context_length)
-        except InvalidParameter as e:  # KVOptions names the command-line flags; here the user typed /set names
-            said = str(e.args[0]).replace("--kv-bits", "kv_bits").replace("--max-kv-size", "max_kv_size")
-            other = "max_kv_size" if key == "kv_bits" else "kv_bits"
-            hint = f"turn the other off first: /set {other} off" if "cannot be combined" in said else e.hint
-            raise InvalidParameter(said, hint=hint) from None
+        # Messages in the names /set takes (KV_SETTINGS), not the command-line flags.
+        other = KV_SETTINGS[1] if field == "bits" else KV_SETTINGS[0]
+        opts = replace(self.kv, **{field: value}).validate(self.loaded.context_length, names=KV_SETTINGS,
+                                                           combine_hint=f"turn the other off first: /set {other} off")
         make_cache(self.loaded.model, opts)
         if opts != self.kv:
             self.kv = opts
