@@ -179,9 +179,8 @@ class Registry:
             return ModelSpec(name=arg, kind="hub", repo=repo, revision=rev or None)
         near = self.closest(arg)
         hint = f"did you mean '{near}'? " if near else ""
-        named = os.environ.get("MLXINFER_MODELS")
-        if named and not Path(named).expanduser().exists():  # a typo there hides every alias the user made
-            hint += f"MLXINFER_MODELS names {named}, which does not exist; "
+        if os.environ.get("MLXINFER_MODELS") and not user_registry_path().exists():  # a typo hides every alias
+            hint += f"MLXINFER_MODELS names {os.environ['MLXINFER_MODELS']}, which does not exist; "
         raise ModelNotFound(
             f"unknown model '{arg}'",
             hint=f"{hint}run 'mlxinfer models' for aliases, or give a Hub repo id (org/name) or a path",
@@ -227,7 +226,7 @@ def _check_entry(path: Path, alias: str, e: dict) -> None:
                           hint="fix it in that file") from None
 
 
-# Keys whose values are strings; the first three name a source and must not be empty.
+# Keys whose values are strings; those naming a source (_SOURCE_KEYS) must not be empty.
 _SOURCE_KEYS = {"hub", "path", "package", "file"}
 _TEXT_KEYS = _SOURCE_KEYS | {"revision", "description", "quant", "system", "chat_template"}
 

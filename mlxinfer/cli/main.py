@@ -166,10 +166,10 @@ def _give_usage_context(e: Exception, argv: list[str] | None) -> None:
 
 def _follower_rank() -> bool:
     """A rank other than 0 of a launched run, from the launcher's variables (before any group exists)."""
-    from ..distributed.group import launched
+    from ..distributed.group import RANK_VARIABLES, launched
 
     env = os.environ
-    rank = next((env[k] for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if k in env), "0")
+    rank = next((env[k] for k in RANK_VARIABLES if k in env), "0")
     return launched() and rank.strip() != "0"
 
 

@@ -52,10 +52,13 @@ class World:
 _WORLD: Optional[World] = None
 
 
+RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # what each launcher tells a rank
+
+
 def launched() -> bool:
     """True in a process started by ``mlx.launch`` (or by hand with MLX's rank variables)."""
     env = os.environ
-    return any(k in env for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")) and (
+    return any(k in env for k in RANK_VARIABLES) and (
         "MLX_HOSTFILE" in env or "MLX_JACCL_COORDINATOR" in env or "NCCL_HOST_IP" in env
         or "OMPI_COMM_WORLD_SIZE" in env or "MLX_IBV_DEVICES" in env)
 
