@@ -99,7 +99,7 @@ def _quant(config: dict) -> str:
 
 def cache_rows(registry: Registry) -> list[ModelRow]:
     """Hub repos MLX can load (huggingface_hub's cache scan) and GGUF imports, whichever aliases name them."""
-    from .sources.cache import gguf_imports, hub_models, incomplete_hub_repos
+    from .sources.cache import gguf_imports, hub_models
 
     by_repo: dict[str, list[str]] = {}
     by_file: dict[str, list[str]] = {}
@@ -111,7 +111,8 @@ def cache_rows(registry: Registry) -> list[ModelRow]:
             if str(e.get(key, "")).lower().endswith(".gguf"):
                 by_file.setdefault(Path(e[key]).name, []).append(alias)
     rows = []
-    for m in hub_models():
+    loadable, unfinished = hub_models()  # one scan of the Hub cache for both
+    for m in loadable:
         config = _config(m.path)
         refs = ", ".join(m.refs) or m.revisions[0][:10]
         rows.append(ModelRow(
@@ -119,7 +120,7 @@ def cache_rows(registry: Registry) -> list[ModelRow]:
             source=m.name, on_disk=True, disk_bytes=m.disk_bytes, location=str(m.path), origin="hub cache",
             kind="hub", name=m.name, revisions=m.revisions, aliases=by_repo.get(m.name, []),
         ))
-    for m in incomplete_hub_repos():  # listed, or their space could only be found by knowing the name
+    for m in unfinished:  # listed, or their space could only be found by knowing the name
         rows.append(ModelRow(
             alias=None, description=f"incomplete download (mlxinfer pull {m.name} finishes it, rm removes it)",
             params="", quant="", source=m.name, on_disk=False, disk_bytes=m.disk_bytes, location=str(m.path),

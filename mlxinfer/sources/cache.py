@@ -40,39 +40,29 @@ def _scan():
         return None
 
 
-def hub_models() -> list[CachedModel]:
-    """Model repos in the Hub cache with at least one snapshot MLX can load (sizes as huggingface_hub counts them:
-    blobs shared between revisions once)."""
+def hub_models() -> tuple[list[CachedModel], list[CachedModel]]:
+    """Model repos in the Hub cache, from one scan: (those with a snapshot MLX can load, those without one that a
+    model download left part way). Sizes as huggingface_hub counts them: blobs shared between revisions once. An
+    unfinished repo's ``path`` is its cache folder (``rm`` removes it; ``pull`` finishes it)."""
     info = _scan()
-    rows = []
+    loadable, unfinished = [], []
     for repo in sorted(info.repos if info else [], key=lambda r: r.repo_id.lower()):
         if repo.repo_type != "model":
             continue
         revisions = sorted((r for r in repo.revisions if _loadable(r)), key=lambda r: r.last_modified, reverse=True)
-        if not revisions:
-            continue
-        rows.append(CachedModel(
-            kind="hub", name=repo.repo_id, path=revisions[0].snapshot_path, disk_bytes=repo.size_on_disk,
-            revisions=[r.commit_hash for r in revisions], refs=sorted({ref for r in revisions for ref in r.refs}),
-        ))
-    return rows
-
-
-def incomplete_hub_repos() -> list[CachedModel]:
-    """Model repos in the Hub cache that take space but have no snapshot MLX can load: a download that stopped
-    part way (``rm`` removes them; ``pull`` finishes them). ``path`` is the repo's cache folder."""
-    info = _scan()
-    rows = []
-    for repo in sorted(info.repos if info else [], key=lambda r: r.repo_id.lower()):
-        if repo.repo_type != "model" or any(_loadable(r) for r in repo.revisions):
+        if revisions:
+            loadable.append(CachedModel(
+                kind="hub", name=repo.repo_id, path=revisions[0].snapshot_path, disk_bytes=repo.size_on_disk,
+                revisions=[r.commit_hash for r in revisions], refs=sorted({ref for r in revisions for ref in r.refs}),
+            ))
             continue
         # A model download cut short: a snapshot with its config but not its weights, or a blob still being
         # written. (A repo another tool cached without weights, e.g. a README alone, is no model: not listed.)
         has_config = any(f.file_name == "config.json" for r in repo.revisions for f in r.files)
-        partial = any(Path(repo.repo_path, "blobs").glob("*.incomplete"))
-        if has_config or partial:
-            rows.append(CachedModel(kind="hub", name=repo.repo_id, path=repo.repo_path, disk_bytes=repo.size_on_disk))
-    return rows
+        if has_config or any(Path(repo.repo_path, "blobs").glob("*.incomplete")):
+            unfinished.append(CachedModel(kind="hub", name=repo.repo_id, path=repo.repo_path,
+                                          disk_bytes=repo.size_on_disk))
+    return loadable, unfinished
 
 
 def _dir_bytes(path: Path) -> int:
