@@ -220,7 +220,7 @@ def _os_error_line(e: OSError) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the app. Every user error is one line on stderr with exit code 2, usage errors too (click's message and
     the command's --help); Ctrl-C exits 130, SIGTERM/SIGHUP 128 + signum; a broken pipe exits quietly. No
-    traceback unless MLXINFER_DEBUG=1 (then errors propagate)."""
+    traceback unless MLXINFER_DEBUG=1 (then it comes first, the exit code unchanged)."""
     from ..errors import MlxinferError, Terminated
 
     for name in ("stdout", "stderr"):
@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             return rv
         return 0
     except MlxinferError as e:
-        if debug_enabled():
-            raise
+        _traceback_if_debug()
         _say(f"error: {e}")
         return e.exit_code
     except Terminated as e:
@@ -264,23 +263,19 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"error: {_usage_line(e)}")  # one line, like every other error (click's own is four)
         return 2
     except UnicodeDecodeError as e:
-        if debug_enabled():
-            raise
+        _traceback_if_debug()
         _say(f"error: input is not valid UTF-8 (byte {e.start}: {e.reason}); pass text in UTF-8")
         return 2
     except MemoryError:
-        if debug_enabled():
-            raise
+        _traceback_if_debug()
         _say("error: out of memory (try a smaller model, batch, context or prompt)")
         return 2
     except OSError as e:
-        if debug_enabled():
-            raise
+        _traceback_if_debug()
         _say(f"error: {_os_error_line(e)}")
         return 2
     except Exception as e:  # noqa: BLE001 - the one top-level handler
-        if debug_enabled():
-            raise
+        _traceback_if_debug()
         from ..distributed.group import fail, lost_peer_line  # under mlx.launch: a rank is gone
 
         if (line := lost_peer_line(e)) is not None:
@@ -291,9 +286,22 @@ def main(argv: list[str] | None = None) -> int:
             fail(line)  # ends the process now: mlx.launch's SIGTERM, on its way, must not add a second line
             return 1
         first = (str(e).splitlines() or [""])[0]
-        _say(f"error: internal error: {type(e).__name__}: {first} (set MLXINFER_DEBUG=1 for the traceback and "
-             "report it)")
+        how = "report it with the traceback above" if debug_enabled() else \
+            "set MLXINFER_DEBUG=1 for the traceback and report it"
+        _say(f"error: internal error: {type(e).__name__}: {first} ({how})")
         return 1
+
+
+def _traceback_if_debug() -> None:
+    """MLXINFER_DEBUG=1 adds the traceback above the usual line; the exit code stays what it would be without."""
+    if debug_enabled():
+        import traceback
+
+        try:
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def _say(line: str) -> None:

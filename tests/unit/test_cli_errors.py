@@ -105,8 +105,11 @@ def test_missing_prompt():
 
 
 def test_debug_shows_traceback():
+    """MLXINFER_DEBUG=1 adds the traceback; the exit code and the last line stay those of a user error (2), so a
+    script that checks for 2 behaves the same with debugging on."""
     proc = run("generate", "smolm2", "-p", "hi", env={"MLXINFER_DEBUG": "1"})
-    assert proc.returncode != 0 and "Traceback" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
 def test_bad_user_registry(tmp_path):
