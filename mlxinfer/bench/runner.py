@@ -234,6 +234,24 @@ def check_threads(threads: list[int] | None, kernels: str = "auto") -> None:
                                hint="drop -t")
 
 
+def threads_warning(threads: list[int] | None) -> str | None:
+    """A line for the CLI when -t asks for more worker threads than this process has cores: the native pool's
+    workers spin while they wait, so two of them on one core take turns and that row measures the contention."""
+    if not threads:
+        return None
+    from .hardware import cpu_cores
+
+    cores = cpu_cores()
+    over = [t for t in threads if t > cores]
+    if not over:
+        return None
+    counts = ", ".join(str(t) for t in over)
+    cores_text = "the 1 core" if cores == 1 else f"the {cores} cores"
+    return (f"-t {counts} is more than {cores_text} this process may use: the kernels' workers spin while "
+            f"they wait, so {'that row measures' if len(over) == 1 else 'those rows measure'} cores taken in turns, "
+            f"not the kernels (use -t up to {cores})")
+
+
 def _native_threads(loaded) -> int | None:
     """The native kernels' worker threads when this model runs on them (MLXINFER_THREADS or all cores), else None:
     MLX's built-in CPU ops have no thread setting."""

@@ -92,10 +92,12 @@ def bench_cmd(
         bandwidth_gbps=bandwidth, llama=llama_bench, kv_bits=kv_bits, max_kv_size=max_kv_size,
         threads=parse_int_list(threads, "thread count") if threads is not None else None,
     ).validate()
-    from ..bench.runner import check_threads
+    from ..bench.runner import check_threads, threads_warning
     from ..fsutil import atomic_write_text
 
     check_threads(opts.threads, opts.kernels)
+    if (warning := threads_warning(opts.threads)) is not None:
+        print(f"warning: {warning}", file=sys.stderr)
 
     def render(records: list[dict]) -> str:
         return report.render(records, fmt, baseline, llama=llama_bench, csv_all=csv_all)

@@ -119,3 +119,27 @@ def test_kv_bits_run_both_engines_on_a_quantized_cache(tmp_path, smollm2_dir):
     assert 0.2 * float_kv < r["results"]["kv_cache_bytes"] < 0.35 * float_kv
     if r["engine"]["kernels"] != "builtin":
         assert "KV cache 8-bit (group 64)" in r["engine"]["kernels_detail"]
+
+
+def test_more_threads_than_cores_are_run_with_a_warning(monkeypatch):
+    """-t above the cores this process may use is allowed (llama-bench allows it) but said: those rows measure
+    spinning workers taking turns on a core."""
+    from mlxinfer.bench import hardware
+    from mlxinfer.bench.runner import threads_warning
+
+    monkeypatch.setattr(hardware, "cpu_cores", lambda: 2)
+    assert threads_warning(None) is None and threads_warning([1, 2]) is None
+    line = threads_warning([1, 2, 4])
+    assert line.startswith("-t 4 is more than the 2 cores") and "that row measures" in line and "up to 2" in line
+    assert "-t 3, 4 " in threads_warning([3, 4]) and "those rows" in threads_warning([3, 4])
+
+
+@needs_native
+def test_bench_cli_warns_before_an_oversubscribed_sweep(monkeypatch, capsys):
+    """The warning reaches stderr before anything loads (here the run stops at an unknown model)."""
+    from mlxinfer.bench import hardware
+
+    monkeypatch.setattr(hardware, "cpu_cores", lambda: 1)
+    assert main(["bench", "no-such-model-xyz", "-t", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("warning: -t 2 is more than the 1 core this process") and "no-such-model-xyz" in err
