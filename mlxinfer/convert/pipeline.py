@@ -330,6 +330,9 @@ def _build(tmp: Path, info: SourceInfo, opts: ConvertOptions, recipe: R.Recipe |
             if opts.eval:  # asked for explicitly: the report is part of the job
                 raise
             notes.append(f"quality check skipped: {e}")  # the conversion itself is fine: keep it
+        if quality is not None and opts.eval_tokens and quality.tokens < opts.eval_tokens:
+            notes.append(f"--eval-tokens {opts.eval_tokens} is more than the built-in sample holds with this "
+                         f"tokenizer: compared all {quality.tokens} of its positions")
         if quality is not None:
             config["mlxinfer"]["converted"]["quality"] = quality.as_dict()
             save_config(dict(config), tmp / "config.json")

@@ -203,3 +203,17 @@ def test_the_sources_license_is_kept_in_the_card(llama_src, tmp_path):
     (src / "README.md").write_text("---\nlicense: mit\ntags:\n- text\n---\n# tiny\n")
     out = convert(str(src), tmp_path / "out", ConvertOptions(bits=8, eval=False)).out_dir
     assert card_license(out) == "mit"
+
+
+def test_eval_tokens_beyond_the_sample_is_said(sources, tmp_path, monkeypatch):
+    """--eval-tokens larger than the built-in sample compares all of it and says so (the report's 'tokens
+    compared' alone did not tell the user their number was not used)."""
+    from mlxinfer.convert import quality
+
+    monkeypatch.setattr(quality, "sample_text", lambda: "The quick brown fox jumps over the lazy dog. " * 4)
+    r = convert(str(sources["llama"]), tmp_path / "out", ConvertOptions(bits=8, eval_tokens=5000))
+    assert 1 < r.quality.tokens < 5000
+    assert f"--eval-tokens 5000 is more than the built-in sample holds with this tokenizer: compared all " \
+           f"{r.quality.tokens} of its positions" in r.notes
+    meta = json.loads((r.out_dir / "config.json").read_text())["mlxinfer"]["converted"]
+    assert any("--eval-tokens 5000" in n for n in meta["notes"])
