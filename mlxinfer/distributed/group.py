@@ -151,6 +151,10 @@ class Watchdog:
         self.on_signals = True  # False when the command drains on SIGTERM itself (serve's rank 0)
         self._lock = threading.Lock()
         self._signals = _signal_pipe()
+        # The launcher (mlx.launch, or the ssh session it opened) is this rank's parent: when it is gone (kill -9,
+        # a closed terminal) nobody reads the output or ends the ranks, so a rank waiting in a collective would
+        # sit there until the timeout. Started by hand under init (pid 1), there is no launcher to watch.
+        self._parent = os.getppid()
         self._thread = threading.Thread(target=self._watch, name="mlxinfer-watchdog", daemon=True)
         self._thread.start()
 
@@ -179,6 +183,9 @@ class Watchdog:
                 # mlx.launch ends the others when a rank exits; a main thread stuck in a collective never gets to
                 # run Python's handler for that signal, so the watchdog ends the process in its place.
                 fail(_stopped_line(self.world), 128 + signum)
+            if self._parent > 1 and os.getppid() != self._parent:
+                fail(f"rank {self.world.rank} of {self.world.size} stopped: the launcher that started it (pid "
+                     f"{self._parent}) is gone")
             with self._lock:
                 since = self._since
             if since is not None and time.monotonic() - since > self.world.timeout:

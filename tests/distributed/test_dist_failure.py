@@ -80,3 +80,46 @@ def test_watchdog_ends_a_rank_whose_peer_vanished_without_a_launcher(tmp_path):
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "rank 1" in errors[0], err
     assert "Traceback" not in err
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit may wait for a reaper that never comes in a container)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ranks_end_soon_after_their_launcher_is_killed(tmp_path):
+    """kill -9 on mlx.launch: no SIGTERM reaches the ranks and nobody reads their output. Each rank sees its
+    parent gone and ends within seconds, not after MLXINFER_DIST_TIMEOUT (set long here, so only that check can
+    end the rank waiting in a collective)."""
+    model = tiny_llama(tmp_path / "m")
+    cmd = launch_cmd("generate", model, "--raw", "-p", "tell me", "--temp", "1", "--seed", "3", "--max-tokens", "480")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "MLXINFER_DIST_TIMEOUT": "300"})
+    ranks: list[int] = []
+    try:
+        os.set_blocking(proc.stdout.fileno(), False)
+        out, start = b"", time.monotonic()
+        while len(out) < 8 and time.monotonic() - start < 120 and proc.poll() is None:  # generation has begun
+            out += proc.stdout.read() or b""
+            time.sleep(0.05)
+        assert len(out) >= 8, "generation never started"
+        ranks = rank_pids(proc.pid, 0) + rank_pids(proc.pid, 1)
+        assert len(ranks) == 2, ranks
+        proc.kill()
+        proc.wait()
+        killed = time.monotonic()
+        while any(map(_running, ranks)) and time.monotonic() - killed < 60:
+            time.sleep(0.1)
+        assert not any(map(_running, ranks)), "a rank outlived its launcher"
+        assert time.monotonic() - killed < 20
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        proc.stdout.close()
+        proc.stderr.close()
