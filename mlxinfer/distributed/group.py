@@ -151,10 +151,10 @@ class Watchdog:
         self.on_signals = True  # False when the command drains on SIGTERM itself (serve's rank 0)
         self._lock = threading.Lock()
         self._signals = _signal_pipe()
-        # The launcher (mlx.launch, or the ssh session it opened) is this rank's parent: when it is gone (kill -9,
-        # a closed terminal) nobody reads the output or ends the ranks, so a rank waiting in a collective would
-        # sit there until the timeout. Started by hand under init (pid 1), there is no launcher to watch.
-        self._parent = os.getppid()
+        # mlx.launch is a local rank's parent: when it is killed (-9) nobody reads the output or ends the ranks,
+        # so a rank waiting in a collective would sit there until the timeout. Ranks started by hand (perhaps
+        # under nohup, meant to outlive their shell) and remote ones (ssh hangs them up) are not watched.
+        self._parent = _launcher_pid()
         self._thread = threading.Thread(target=self._watch, name="mlxinfer-watchdog", daemon=True)
         self._thread.start()
 
@@ -183,7 +183,7 @@ class Watchdog:
                 # mlx.launch ends the others when a rank exits; a main thread stuck in a collective never gets to
                 # run Python's handler for that signal, so the watchdog ends the process in its place.
                 fail(_stopped_line(self.world), 128 + signum)
-            if self._parent > 1 and os.getppid() != self._parent:
+            if self._parent is not None and os.getppid() != self._parent:
                 fail(f"rank {self.world.rank} of {self.world.size} stopped: the launcher that started it (pid "
                      f"{self._parent}) is gone")
             with self._lock:
@@ -192,6 +192,25 @@ class Watchdog:
                 fail(f"rank {self.world.rank} of {self.world.size} heard nothing from {self.world.others()} for "
                      f"{self.world.timeout:g} s while generating: a rank died or cannot be reached "
                      f"(raise {TIMEOUT_VAR} for slow links)")
+
+
+def _launcher_pid() -> Optional[int]:
+    """The parent's pid when the parent is mlx.launch (its command line names the launcher), else None."""
+    ppid = os.getppid()
+    if ppid <= 1:
+        return None
+    try:
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:  # no /proc (macOS): ask ps
+        import subprocess
+
+        try:
+            command = subprocess.run(["ps", "-o", "command=", "-p", str(ppid)], capture_output=True, text=True,
+                                     timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return ppid if ("mlx.launch" in command or "mlx._distributed_utils" in command) else None
 
 
 _STOP_SIGNALS = {int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)}  # not Ctrl-C: rank 0's

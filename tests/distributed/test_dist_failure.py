@@ -123,3 +123,18 @@ def test_ranks_end_soon_after_their_launcher_is_killed(tmp_path):
                 pass
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_only_a_launcher_parent_is_watched(monkeypatch):
+    """A rank started by hand (its parent a shell, perhaps under nohup to outlive it) is not ended when that
+    parent goes: only mlx.launch as the parent is watched."""
+    import subprocess
+    import sys
+
+    from mlxinfer.distributed import group
+
+    assert group._launcher_pid() is None  # pytest's parent is not mlx.launch
+    code = "import os; from mlxinfer.distributed.group import _launcher_pid; print(_launcher_pid(), os.getppid())"
+    fake = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {code!r}])"
+    out = subprocess.run([sys.executable, "-c", fake, "mlx.launch"], capture_output=True, text=True).stdout.split()
+    assert out[0] == out[1]  # a parent whose command line names mlx.launch is
