@@ -276,8 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:  # noqa: BLE001 - the one top-level handler
         _traceback_if_debug()
-        from ..distributed.group import fail, lost_peer_line  # under mlx.launch: a rank is gone
+        from ..distributed.group import fail, interrupted_follower, lost_peer_line  # under mlx.launch
 
+        if interrupted_follower():  # followers print nothing; rank 0 said "interrupted"
+            return 130
         if (line := lost_peer_line(e)) is not None:
             try:
                 sys.stdout.flush()  # what was generated stays written (fail ends the process without cleanup)

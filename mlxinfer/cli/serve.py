@@ -106,6 +106,7 @@ def serve_cmd(
 
         print(f"distributed: {describe(world)}", file=sys.stderr, flush=True)
         if not world.leader:
+            world.watchdog.ctrl_c_ends = False  # a Ctrl-C in the launcher's terminal: rank 0 drains, then stops us
             FollowerEngine(loaded, Metrics(), **engine_opts).follow()
             return
         world.watchdog.on_signals = False  # SIGTERM/Ctrl-C drain (uvicorn's handler), then rank 0 stops the rest

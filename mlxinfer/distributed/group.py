@@ -149,6 +149,10 @@ class Watchdog:
         self.world = world
         self._since: Optional[float] = None
         self.on_signals = True  # False when the command drains on SIGTERM itself (serve's rank 0)
+        # A follower gets SIGINT only when Ctrl-C was typed in mlx.launch's terminal, which ends the run (rank 0
+        # exits 130). If the main thread cannot end it (stuck in a collective whose peer is gone), the watchdog
+        # does, after the grace. False where the run goes on after that Ctrl-C (serve's followers: rank 0 drains).
+        self.ctrl_c_ends = True
         self._lock = threading.Lock()
         self._signals = _signal_pipe()
         # mlx.launch is a local rank's parent: when it is killed (-9) nobody reads the output or ends the ranks,
@@ -177,6 +181,9 @@ class Watchdog:
                 term = [b for b in got if b in _STOP_SIGNALS]
                 if term and stopped_at is None and self.on_signals:
                     stopped_at, signum = time.monotonic(), term[0]
+                elif (_SIGINT in got and stopped_at is None and not self.world.leader and self.on_signals
+                      and self.ctrl_c_ends):
+                    stopped_at, signum = time.monotonic(), _SIGINT
             elif self._signals is None:
                 time.sleep(wait)
             if stopped_at is not None and time.monotonic() - stopped_at > _SIGNAL_GRACE:
@@ -214,6 +221,7 @@ def _launcher_pid() -> Optional[int]:
 
 
 _STOP_SIGNALS = {int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)}  # not Ctrl-C: rank 0's
+_SIGINT = int(signal.SIGINT)
 _SIGNAL_GRACE = 3.0  # seconds the main thread has to handle a signal itself before the watchdog steps in
 
 
@@ -256,17 +264,26 @@ _FAILING = False  # set by the first fail(): whoever comes second (mlx.launch's 
 def fail(line: str, code: int = 1) -> None:
     """Print one line (the leader only; followers are silent) and end the process now: the main thread may be
     blocked inside a collective that will never return. A second call while the first is ending the process
-    returns at once, so a rank that lost its peer never prints a second line for the launcher's SIGTERM."""
+    returns at once, so a rank that lost its peer never prints a second line for the launcher's SIGTERM. A follower
+    that got Ctrl-C itself exits 130 whatever ended it, as every rank does in one process."""
     global _FAILING
     if _FAILING:
         return
     _FAILING = True
+    if interrupted_follower():
+        code = 130  # Ctrl-C in the launcher's terminal reached this rank too: its peer ended for that reason
     try:
         sys.stderr.write(f"error: {line}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
     os._exit(code)
+
+
+def interrupted_follower() -> bool:
+    """A follower that got Ctrl-C (typed in mlx.launch's terminal): whatever error ends it now is a consequence
+    (its peer gone, a kernel compiler MLX had started killed by the same SIGINT), and it exits 130 like rank 0."""
+    return _WORLD is not None and not _WORLD.leader and _WORLD.interrupted
 
 
 def lost_peer_line(e: BaseException) -> Optional[str]:

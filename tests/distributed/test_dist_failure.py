@@ -138,3 +138,28 @@ def test_only_a_launcher_parent_is_watched(monkeypatch):
     fake = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {code!r}])"
     out = subprocess.run([sys.executable, "-c", fake, "mlx.launch"], capture_output=True, text=True).stdout.split()
     assert out[0] == out[1]  # a parent whose command line names mlx.launch is
+
+
+def test_ctrl_c_in_the_launchers_terminal_ends_generate_on_every_rank_with_130(smollm2_dir):
+    """generate has no per-token Ctrl-C agreement (chat does): rank 0 exits 130 at once and the follower, which
+    got the SIGINT too, then fails in a collective, or MLX's ring leaves it waiting on a task that never ends.
+    Either way it exits 130 like rank 0, within seconds (the watchdog's grace), not 1 or after the timeout."""
+    import re
+
+    from dist_cli import Terminal
+
+    term = Terminal(launch_cmd("generate", "smollm2", "-p", "Write a long story about a dragon.", "--max-tokens",
+                               "2000"), {**os.environ, "MLXINFER_DIST_TIMEOUT": "120"})
+    try:
+        assert term.until(lambda out: b"parallel over 2 ranks" in out, 120), bytes(term.out)
+        start = len(term.out)
+        assert term.until(lambda out: len(out) - start > 40, 60), bytes(term.out)  # the story streams
+        term.write(b"\x03")
+        sent = time.monotonic()
+        assert term.wait(60) is not None, "the launcher did not end: a rank still runs"
+        assert time.monotonic() - sent < 20  # the watchdog's grace at most, never its 120 s timeout
+    finally:
+        term.close()
+    out = bytes(term.out).decode("utf-8", "replace")
+    ends = dict(re.findall(r"rank (\d) exited with code (-?\d+)", out))
+    assert ends == {"0": "130", "1": "130"}, out[-800:]
