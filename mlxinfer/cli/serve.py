@@ -113,7 +113,7 @@ def serve_cmd(
     opts = ServeOptions(api_key=api_key, max_body=max_body, parallel=parallel, queue_size=queue_size,
                         timeout=timeout or None, prefix_cache_bytes=prefix_cache_mb << 20,
                         prefill_chunk=prefill_chunk, batch_from=batch_from, flags=flags,
-                        allow_origins=list(allow_origin or []), on_warning=_warn,
+                        allow_origins=list(allow_origin or []), bind_host=host, on_warning=_warn,
                         **({"engine_class": LeaderEngine} if world is not None else {}))
     shown = f"[{host}]" if ":" in host else host
     print(f"mlxinfer serve: {loaded.name} ({loaded.kernels}) on http://{shown}:{port}/v1 — parallel {parallel}, "

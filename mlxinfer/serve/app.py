@@ -19,11 +19,12 @@ from typing import Any, AsyncIterator, Callable
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import schemas as s
+from .guard import BODY_TIMEOUT
 from .metrics import Metrics
 from .scheduler import Engine
 from .sequence import Ticket
@@ -40,6 +41,7 @@ class ServeOptions:
     prefill_chunk: int = 256
     batch_from: int = 2
     allow_origins: list[str] = field(default_factory=list)  # CORS: web pages that may call the API from a browser
+    bind_host: str | None = None  # the --host value: on a loopback address without a key, Host must be this machine
     flags: dict[str, Any] = field(default_factory=dict)  # sampling values from the command line (highest rank)
     engine_class: type = Engine  # under mlx.launch: distributed.serve.LeaderEngine (broadcasts its decisions)
     on_warning: Callable[[str], None] | None = None  # the engine's one-line warnings (the CLI prints them)
@@ -77,11 +79,22 @@ class Api:
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise s.ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s",
+                             code="request_timeout") from None
+        except ClientDisconnect:
+            raise s.ApiError(499, "the client closed the connection while sending the request") from None
         return b"".join(chunks)
 
     def _error(self, route: str, e: s.ApiError) -> JSONResponse:
@@ -104,10 +117,12 @@ class Api:
             self._auth(request)
             name = request.path_params.get("model")
             if name is None:
+                self.metrics.requests.labels("/v1/models", "200").inc()
                 return JSONResponse({"object": "list", "data": [self._model_object()]})
             if name not in self.names:
-                raise s.ApiError(404, f"the model '{name}' does not exist here; this server runs '{self.model_id}'",
-                                 param="model", code="model_not_found")
+                raise s.ApiError(404, f"the model '{name[:100]}' does not exist here; this server runs "
+                                 f"'{self.model_id}'", param="model", code="model_not_found")
+            self.metrics.requests.labels("/v1/models", "200").inc()
             return JSONResponse(self._model_object())
         except s.ApiError as e:
             return self._error("/v1/models", e)
@@ -117,6 +132,7 @@ class Api:
             self._auth(request)
         except s.ApiError as e:
             return self._error("/metrics", e)
+        self.metrics.requests.labels("/metrics", "200").inc()  # counted before rendering: the reply includes it
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     # ---- generation ---------------------------------------------------------------------------------------
@@ -246,6 +262,17 @@ class Api:
             self.metrics.requests.labels(route, status).inc()
 
 
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+def route_label(path: str) -> str:
+    """The metrics label for a path: one of ROUTES, else "other" (a label per unknown path would let any client
+    grow the metrics without bound)."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models"
+    return path if path in ROUTES else "other"
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -325,8 +352,18 @@ def create_app(loaded, opts: ServeOptions) -> Starlette:
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(s.ApiError(exc.status_code, msg, code=code).body(), status_code=exc.status_code)
+        msg = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+        if request.url.path != "/health":
+            api.metrics.requests.labels(route_label(request.url.path), str(exc.status_code)).inc()
+        return JSONResponse(s.ApiError(exc.status_code, msg, code=code).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        # A bug: OpenAI's shape and a count here; Starlette re-raises it afterwards, so uvicorn logs the traceback.
+        api.metrics.requests.labels(route_label(request.url.path), "500").inc()
+        err = s.ApiError(500, f"internal error: {type(exc).__name__} (the server's log has the details)",
+                         code="internal_error")
+        return JSONResponse(err.body(), status_code=500)
 
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -336,14 +373,22 @@ def create_app(loaded, opts: ServeOptions) -> Starlette:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
     ]
-    middleware = []
+    from starlette.middleware import Middleware
+
+    from .guard import BrowserGuard, is_loopback_name
+
+    def refused(path: str, status: int) -> None:
+        api.metrics.requests.labels(route_label(path), str(status)).inc()
+
+    check_host = opts.bind_host is not None and is_loopback_name(opts.bind_host) and not opts.api_key
+    middleware = [Middleware(BrowserGuard, allow_origins=opts.allow_origins, bind_host=opts.bind_host,
+                             check_host=check_host, refused=refused)]
     if opts.allow_origins:
-        from starlette.middleware import Middleware
         from starlette.middleware.cors import CORSMiddleware
 
         middleware.append(Middleware(CORSMiddleware, allow_origins=opts.allow_origins, allow_methods=["GET", "POST"],
                                      allow_headers=["Authorization", "Content-Type"]))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                    exception_handlers={HTTPException: http_error})
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.api = api
     return app

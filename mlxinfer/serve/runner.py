@@ -5,26 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import ipaddress
 import socket
 
 from ..errors import InvalidParameter
 from .app import ServeOptions, create_app
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from .guard import GuardedH11, is_loopback_name, raise_descriptor_limit
 
 
 def check_bind(host: str, port: int, api_key: str | None) -> int:
     """Refuse what should not start: a non-loopback address without an API key, a port that is taken. Returns
     the port to serve on: ``port``, or for 0 the free one the system gave the probe (announced, then bound)."""
-    if not is_loopback(host) and not api_key:
+    if not is_loopback_name(host) and not api_key:
         raise InvalidParameter(f"refusing to listen on {host} without an API key",
                                hint="pass --api-key KEY (or set MLXINFER_API_KEY), or bind 127.0.0.1")
     if not 0 <= port <= 65535:
@@ -72,7 +63,8 @@ def serve(loaded, opts: ServeOptions, *, host: str, port: int, grace: float, log
                 if hup is not None:
                     signal.signal(hup, previous)
 
+    raise_descriptor_limit()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             access_log=log_level in ("info", "debug", "trace"),
-                            timeout_graceful_shutdown=grace)
+                            timeout_graceful_shutdown=grace, http=GuardedH11)
     Server(config).run()

@@ -91,7 +91,9 @@ class Engine:
             if self.draining or self._stopping:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
             busy = len(self._prefilling) + len(self._batch)
-            if busy >= self.parallel and len(self._waiting) >= self.queue_size:
+            # --parallel run and --queue-size wait: counted together, so a burst that arrives before the engine
+            # thread admits any (all of it still waiting) is bounded too.
+            if busy + len(self._waiting) >= self.parallel + self.queue_size:
                 raise ApiError(429, f"the server is busy ({busy} sequences running, {len(self._waiting)} requests "
                                "queued); retry later", code="queue_full")
             self._waiting.append(ticket)

@@ -30,8 +30,9 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 class ApiError(Exception):
     """An HTTP error with OpenAI's JSON body: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+             404: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+             429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -66,6 +67,8 @@ def parse_json(body: bytes) -> dict:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:
+        raise bad("the request body nests JSON too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad("the request body must be a JSON object")
     return data

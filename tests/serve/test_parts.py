@@ -168,3 +168,32 @@ def test_a_failing_step_fails_its_requests_not_the_engine():
     finally:
         engine.stop()
     assert failed[0] == "error" and failed[1].status == 500
+
+
+def test_a_burst_is_bounded_by_parallel_plus_queue_size():
+    """Requests that arrive before the engine thread admits any all wait at first: the bound counts them with
+    the running ones (it let a whole burst queue while nothing ran yet). The engine thread is not started."""
+    import asyncio
+
+    import mlxinfer
+    from mlxinfer.serve.metrics import Metrics
+    from mlxinfer.serve.scheduler import Engine
+    from mlxinfer.serve.sequence import Ticket
+
+    engine = Engine(mlxinfer.load("smollm2"), Metrics(), parallel=2, queue_size=3)
+    job = s.Job("completion", [1, 2, 3], mlxinfer.SamplingParams(temperature=0), 4)
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(5):
+            engine.submit(Ticket(job, loop, asyncio.Queue()))
+        with pytest.raises(s.ApiError) as e:
+            engine.submit(Ticket(job, loop, asyncio.Queue()))
+    finally:
+        loop.close()
+    assert e.value.status == 429 and e.value.code == "queue_full"
+
+
+def test_json_nested_too_deeply_is_a_400():
+    with pytest.raises(s.ApiError) as e:
+        s.parse_json(b"[" * 100_000)
+    assert e.value.status == 400 and e.value.code == "invalid_json" and "deeply" in e.value.message

@@ -88,7 +88,7 @@ def test_cors_only_for_allowed_origins(limited):
     ok = httpx.options(limited.url(CHAT), headers={"Origin": "http://ui.example", **pre}, timeout=5)
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ui.example"
     other = httpx.options(limited.url(CHAT), headers={"Origin": "http://evil.example", **pre}, timeout=5)
-    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    assert other.status_code == 403 and "access-control-allow-origin" not in other.headers  # the origin guard
     r = httpx.get(limited.url("/v1/models"), headers={"Origin": "http://ui.example", **limited.headers()}, timeout=5)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
 
@@ -293,3 +293,34 @@ def test_a_model_with_non_finite_output_does_not_start(smollm2_dir, tmp_path):
     assert run.returncode == 2 and run.stderr.strip().splitlines() == [
         "error: the model's output is not finite (NaN or inf): its weights are corrupt (download or convert the "
         "model again)"], run.stderr
+
+
+def test_every_route_is_counted_and_odd_requests_get_openai_errors(server):
+    """requests_total counts successes of /v1/models and /metrics too, and 404 / 405 / 499 on any path (unknown
+    paths under one 'other' label); a 405 names the allowed method; an unknown model's long name is cut."""
+    import socket
+
+    def count(route: str, status: str) -> float:
+        return server.metrics().get(("mlxinfer_requests_total", (("route", route), ("status", status))), 0.0)
+
+    before = {k: count(*k) for k in [("/v1/models", "200"), ("/v1/models", "404"), ("other", "404"),
+                                     ("/v1/completions", "405"), ("/v1/chat/completions", "499")]}
+    m0 = count("/metrics", "200")
+    assert httpx.get(server.url("/v1/models"), timeout=5).status_code == 200
+    assert_openai_error(httpx.get(server.url("/v1/nothing/" + "x" * 5000), timeout=5), 404)
+    r = httpx.get(server.url("/v1/completions"), timeout=5)
+    assert_openai_error(r, 405) and r.headers["allow"] == "POST"
+    r = httpx.get(server.url("/v1/models/" + "m" * 5000), timeout=5)
+    assert len(assert_openai_error(r, 404, "model_not_found")["message"]) < 300
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # hangs up halfway through its body
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"messages\": ")
+        time.sleep(0.3)
+    time.sleep(0.5)
+    after = {k: count(*k) for k in before}
+    assert {k: after[k] - before[k] for k in before} == {("/v1/models", "200"): 1, ("/v1/models", "404"): 1,
+                                                         ("other", "404"): 1,
+                                                         ("/v1/completions", "405"): 1,
+                                                         ("/v1/chat/completions", "499"): 1}
+    assert count("/metrics", "200") >= m0 + 6  # this test's own scrapes
+    assert "ClientDisconnect" not in server.log_text()
