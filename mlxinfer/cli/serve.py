@@ -63,7 +63,7 @@ def serve_cmd(
     from ..errors import InvalidParameter
     from ..registry import Registry
     from ..serve.app import ServeOptions
-    from ..serve.prefill import IDLE_PREFILL
+    from ..serve.prefill import ROUND_MAX
     from ..serve.runner import check_bind, serve
     from ..ui.progress import load_model
 
@@ -76,8 +76,8 @@ def serve_cmd(
         if origin != "*" and not re.fullmatch(r"https?://[^/\s?#]+", origin):
             raise InvalidParameter(f"invalid --allow-origin {origin!r}",
                                    hint="give scheme://host[:port], e.g. http://localhost:3000, or '*'")
-    if prefill_chunk > IDLE_PREFILL:
-        raise InvalidParameter(f"invalid --prefill-chunk {prefill_chunk}: must be at most {IDLE_PREFILL}")
+    if prefill_chunk > ROUND_MAX:
+        raise InvalidParameter(f"invalid --prefill-chunk {prefill_chunk}: must be at most {ROUND_MAX}")
     for name, value in (("--timeout", timeout), ("--grace", grace)):
         if not value >= 0:
             raise InvalidParameter(f"invalid {name} {value}: must be >= 0 seconds")

@@ -7,7 +7,8 @@
   fast single-sequence path).
 * A round's budget: while streams decode, at most ``chunk`` prompt tokens times the number of waiting prompts per
   decoding stream (7 prompts arriving while 1 stream decodes stall it once for all 7, not 7 times for the same
-  work), capped at ``IDLE_PREFILL``; ``IDLE_PREFILL`` tokens per forward when no stream decodes.
+  work), capped at ``ROUND_MAX``; ``IDLE_PREFILL`` tokens per round when no stream decodes (cancellations and
+  deadlines are answered between rounds).
 * Prompts admitted together that start alike (one system prompt) first get that start prefilled once and stored
   in the prefix cache (``prefill_shared_start``), where their admissions then find it.
 """
@@ -18,14 +19,20 @@ from collections import deque
 
 from .sequence import SeqState
 
-IDLE_PREFILL = 2048  # prompt tokens per forward while no stream decodes (mlx-lm's default prefill step)
+# Prompt tokens per round while no stream decodes. The engine answers cancellations and deadlines between rounds,
+# so a round is short (512 tokens: ~0.7 s for the bundled model on 2 cores, where a whole-prompt 2048 took up to
+# 12 s); prefill's rate is the same from ~48 tokens per forward on (measured: 4096 tokens in 256 / 512 / 2048-token
+# forwards within the run-to-run noise).
+IDLE_PREFILL = 512
+ROUND_MAX = 2048  # the most prompt tokens one round takes while streams decode (then a decode step)
 
 
 class Prefiller:
     """The engine's prefilling sequences (``seqs``, in admission order; a group's rows too) and their group."""
 
-    def __init__(self, model, chunk: int):
+    def __init__(self, model, chunk: int, on_tokens=None):
         self.model, self.chunk = model, chunk
+        self.on_tokens = on_tokens  # prompt tokens (padding not included) each forward ran: /metrics' prefill count
         self.seqs: deque[SeqState] = deque()
         self.group: PrefillGroup | None = None  # fresh prompts prefilled together
         self._groupable: bool | None = None
@@ -41,8 +48,10 @@ class Prefiller:
         import mlx.core as mx
 
         done: list[tuple[list[SeqState], list | None]] = []
-        share = max(1, len(self.seqs) // decoding) if decoding else IDLE_PREFILL
-        budget = max(self.chunk, min(self.chunk * share, IDLE_PREFILL))
+        if decoding:
+            budget = max(self.chunk, min(self.chunk * max(1, len(self.seqs) // decoding), ROUND_MAX))
+        else:
+            budget = max(self.chunk, IDLE_PREFILL)
         if self.group is None:
             self._form_group()
         if self.group is not None:
@@ -59,10 +68,15 @@ class Prefiller:
                 self.model(mx.array([chunk]), cache=seq.cache)
                 mx.eval([c.state for c in seq.cache])
                 budget -= len(chunk)
+                self._ran(len(chunk))
             if not seq.todo:
                 self.seqs.remove(seq)
                 done.append(([seq], None))
         return done
+
+    def _ran(self, tokens: int) -> None:
+        if self.on_tokens is not None and tokens:
+            self.on_tokens(tokens)
 
     def _form_group(self) -> None:
         """Prompts waiting together (two or more, not prefilling alone already) become one batched prefill."""
@@ -84,7 +98,9 @@ class Prefiller:
     def _group_step(self, budget: int, done: list) -> int:
         """The group's next forward; when it is done its rows still here (not reaped) are done."""
         group = self.group
+        before = group.real_done()
         used = group.step(self.model, budget)
+        self._ran(group.real_done() - before)
         if group.done:
             self.group = None
             keep = [i for i, s in enumerate(group.rows) if s in self.seqs]
@@ -107,6 +123,7 @@ class PrefillGroup:
         width = max(len(s.todo) for s in rows)
         pads = [width - len(s.todo) for s in rows]
         self.rows, self.done_cols, self.padded = rows, 0, any(pads)
+        self.lengths = [len(s.todo) for s in rows]
         self.tokens = [s.todo + [0] * p for p, s in zip(pads, rows)]
         self.cache = [layer[0].merge(list(layer)) for layer in zip(*(s.cache for s in rows))]
         if self.padded:
@@ -118,6 +135,10 @@ class PrefillGroup:
     @property
     def done(self) -> bool:
         return self.done_cols >= len(self.tokens[0])
+
+    def real_done(self) -> int:
+        """The rows' own tokens run so far (not their padding)."""
+        return sum(min(n, self.done_cols) for n in self.lengths)
 
     def step(self, model, budget: int) -> int:
         """The next columns (at least one; ``budget`` tokens over all rows) through ``model``: tokens used."""

@@ -65,7 +65,7 @@ class Engine:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
-        self.prefill = Prefiller(self.model, prefill_chunk)
+        self.prefill = Prefiller(self.model, prefill_chunk, on_tokens=metrics.prefill_tokens.inc)
         self._prefilling = self.prefill.seqs   # every sequence not yet decoding (a prefill group's rows too)
         self._batch: list[SeqState] = []
         self._bcache: list | None = None   # BatchKVCache per layer when batched, else None (each seq has its own)
@@ -188,8 +188,7 @@ class Engine:
         if n:
             m.prefix_hits.inc()
             m.prefix_tokens.inc(n)
-        m.prompt_tokens.inc(len(job.prompt))
-        m.prefill_tokens.inc(len(job.prompt) - n)
+        m.prompt_tokens.inc(len(job.prompt))  # prefill_tokens: counted as the forwards run them (Prefiller, _join)
         # Whole caches (a one-op sliding layer's too): they batch, merge and go to the prefix cache.
         seq = SeqState(ticket, cache or whole_caches(self.model), n, self.loaded.tokenizer)
         self._prefilling.append(seq)
@@ -239,6 +238,7 @@ class Engine:
             for s in [*self._batch, *seqs]:
                 s.cache = None
         self._batch += seqs
+        self.metrics.prefill_tokens.inc(len(seqs))  # each one's last prompt token goes in with its first step
         self._update_gauges()
 
     def _leave(self, leaving: list[int], reasons: dict[int, str | None]) -> None:

@@ -293,3 +293,75 @@ def test_gemma_sliding_layers_batch_through_the_one_op_layers(tmp_path, smollm2_
     assert len(engine.prefix) > 0
     monkeypatch.setattr(fused_block, "_batch_block", real)
     assert out == [_alone(gemma, p, n) for p in prompts]
+
+
+def test_a_long_prompt_whose_client_left_stops_prefilling_at_the_next_round(loaded):
+    """With nothing decoding, a prompt is prefilled in rounds of IDLE_PREFILL tokens and cancellations are
+    answered between rounds: a 1500-token prompt whose client goes away during the first forward costs that
+    round only (the whole prompt went through as one 2048-token round before), and the next request runs."""
+    from mlxinfer.serve.prefill import IDLE_PREFILL
+
+    log: list = []
+    holder: dict = {}
+
+    def on_call(count: int) -> None:
+        if count == 1:
+            holder["engine"].cancel(holder["long"])
+
+    model = Recorder(loaded.model, log, on_call)
+    engine = holder["engine"] = Engine(dataclasses.replace(loaded, model=model), Metrics(), parallel=2)
+    long_prompt = (encode_prompt(loaded, "Tell me everything. ") * 400)[:1500]
+    job = s.Job("completion", long_prompt, mlxinfer.SamplingParams(temperature=0), 4)
+
+    async def go() -> str:
+        loop = asyncio.get_running_loop()
+        holder["long"] = Ticket(job, loop, asyncio.Queue())
+        engine.submit(holder["long"])
+        engine.start()
+        while not log:
+            await asyncio.sleep(0.01)
+        short = Ticket(_job(loaded, "The sky is", 4), loop, asyncio.Queue())
+        engine.submit(short)
+        pieces = []
+        while (event := await asyncio.wait_for(short.queue.get(), 120))[0] == "text":
+            pieces.append(event[1])
+        assert event[0] == "done", event
+        return "".join(pieces)
+
+    try:
+        out = asyncio.run(go())
+    finally:
+        engine.stop()
+    calls = [shape for kind, shape in log if kind == "call"]
+    assert calls[0] == (1, IDLE_PREFILL) and IDLE_PREFILL < 1500
+    assert sum(shape[1] for shape in calls if shape[0] == 1 and shape[1] > 1) <= IDLE_PREFILL + 4  # + the short one
+    assert out == _alone(loaded, "The sky is", 4)
+
+
+def test_prefill_tokens_count_what_the_forwards_ran(loaded):
+    """mlxinfer_prefill_tokens counts prompt tokens as forwards run them (padding not included): a request
+    cancelled after its first round adds that round only, where the whole prompt was counted at admission."""
+    from mlxinfer.serve.prefill import IDLE_PREFILL
+
+    out, log, engine = _run(loaded, PROMPTS[:2], 4, parallel=8)  # a batched group, padded: counted unpadded
+    assert engine.metrics.prefill_tokens._value.get() == sum(len(encode_prompt(loaded, p)) for p in PROMPTS[:2])
+
+    holder: dict = {}
+    model = Recorder(loaded.model, [], lambda count: count == 1 and holder["engine"].cancel(holder["t"]))
+    engine = holder["engine"] = Engine(dataclasses.replace(loaded, model=model), Metrics(), parallel=2)
+    job = s.Job("completion", (encode_prompt(loaded, "Tell me everything. ") * 400)[:1500],
+                mlxinfer.SamplingParams(temperature=0), 4)
+
+    async def go() -> None:
+        holder["t"] = Ticket(job, asyncio.get_running_loop(), asyncio.Queue())
+        engine.submit(holder["t"])
+        engine.start()
+        while engine.metrics.prefill_tokens._value.get() == 0 or engine.snapshot().get("running"):
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(go())
+    finally:
+        engine.stop()
+    assert engine.metrics.prefill_tokens._value.get() == IDLE_PREFILL
+    assert engine.metrics.prompt_tokens._value.get() == 1500
