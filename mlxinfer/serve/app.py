@@ -27,7 +27,7 @@ from . import schemas as s
 from .guard import BODY_TIMEOUT
 from .metrics import Metrics
 from .scheduler import Engine
-from .sequence import Ticket
+from .sequence import Ticket, token_text
 
 
 @dataclass
@@ -283,7 +283,7 @@ class Formatter:
     def __init__(self, kind: str, rid: str, model: str, job: s.Job):
         self.kind, self.rid, self.model, self.job = kind, rid, model, job
         self.created = int(time.time())
-        self.offset = 0  # text_offset for completion logprobs
+        self.reply_bytes = b""  # the tokens' bytes so far: text_offset for completion logprobs
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
@@ -298,15 +298,16 @@ class Formatter:
         if self.job.logprobs is None:
             return None
         if self.kind == "chat":
-            item = lambda tok, lp: {"token": tok, "logprob": lp, "bytes": list(tok.encode())}  # noqa: E731
-            return {"content": [{**item(e["token"], e["logprob"]),
+            item = lambda raw, lp: {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}  # noqa: E731
+            return {"content": [{**item(e["bytes"], e["logprob"]),
                                  "top_logprobs": [item(t, v) for _, t, v in e["top"]]} for e in entries]}
         offsets = []
-        for e in entries:
-            offsets.append(self.offset)
-            self.offset += len(e["token"])
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{t: v for _, t, v in e["top"]} for e in entries], "text_offset": offsets}
+        for e in entries:  # characters of the text before each token (a partial character counts once whole)
+            offsets.append(len(self.reply_bytes.decode("utf-8", "ignore")))
+            self.reply_bytes += e["bytes"]
+        return {"tokens": [token_text(e["bytes"]) for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{token_text(t): v for _, t, v in e["top"]} for e in entries], "text_offset": offsets}
 
     def whole(self, text: str, entries: list[dict], finish: str, usage: dict) -> dict:
         if self.kind == "chat":

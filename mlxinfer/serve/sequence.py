@@ -48,7 +48,10 @@ class SeqState:
         self.rng = mx.random.key(job.params.seed) if job.params.seed is not None and not self.greedy else None
         self.detok = tokenizer.detokenizer
         self.text, self.emitted, self.last = "", 0, 0.0
-        self.pending_lp: list[dict] = []
+        self.pending_lp: list[dict] = []             # logprob entries whose token's text is not shown yet
+        self._lp_ends: list[int] = []                 # where each pending token's bytes end in the reply's bytes
+        self._lp_total = 0
+        self._lead_space = False
         self.stopped_by_string = False
 
     def add(self, tok: int, entry: dict | None, eos: set) -> str | None:
@@ -60,7 +63,11 @@ class SeqState:
         if tok in eos and not self.job.ignore_eos:
             return "stop"
         if entry is not None:
+            if not self._lp_total:
+                self._lead_space = entry["bytes"].startswith(b" ")  # the detokenizer drops a reply's first space
+            self._lp_total += len(entry["bytes"])
             self.pending_lp.append(entry)
+            self._lp_ends.append(self._lp_total)
         self.detok.add_token(tok)
         self.text += self.detok.last_segment
         stops = self.job.stop
@@ -68,29 +75,37 @@ class SeqState:
             found = min((p for p in (self.text.find(x, max(0, self.emitted - len(x))) for x in stops) if p >= 0),
                         default=-1)
             if found >= 0:
-                self.emit(self.text[self.emitted:found])
+                self.emit(self.emitted, found)
                 self.emitted, self.stopped_by_string = len(self.text), True
                 return "stop"
             safe = len(self.text) - _holdback(self.text, stops)
         else:
             safe = len(self.text)
-        if safe > self.emitted or self.pending_lp:
-            self.emit(self.text[self.emitted:safe])
-            self.emitted = max(safe, self.emitted)
+        self.emit(self.emitted, max(safe, self.emitted))
+        self.emitted = max(safe, self.emitted)
         return "length" if self.generated >= self.job.max_tokens else None
 
-    def emit(self, piece: str) -> None:
-        self.ticket.push(("text", piece, self.pending_lp))
-        self.pending_lp = []
+    def emit(self, start: int, end: int, final: bool = False) -> None:
+        """Push the text [start:end] with the logprob entries of the tokens it completes (a token whose text is
+        held back, for a stop string or the rest of a character, goes out with the piece that shows it)."""
+        if final:
+            n = len(self.pending_lp)
+        else:
+            shown = len(self.text[:end].encode("utf-8"))
+            if shown and self._lead_space and not self.text.startswith(" "):
+                shown += 1
+            n = next((i for i, e in enumerate(self._lp_ends) if e > shown), len(self._lp_ends))
+        entries, self.pending_lp, self._lp_ends = self.pending_lp[:n], self.pending_lp[n:], self._lp_ends[n:]
+        if end > start or entries:
+            self.ticket.push(("text", self.text[start:end], entries))
 
     def close(self, reason: str) -> None:
         """The held-back tail and the detokenizer's last bytes belong to the reply; then the usage."""
         if not self.stopped_by_string:
             self.detok.finalize()
             self.text += self.detok.last_segment
-            if len(self.text) > self.emitted or self.pending_lp:
-                self.emit(self.text[self.emitted:])
-                self.emitted = len(self.text)
+            self.emit(self.emitted, len(self.text), final=True)
+            self.emitted = len(self.text)
         prompt = len(self.job.prompt)
         usage = {"prompt_tokens": prompt, "completion_tokens": self.generated,
                  "total_tokens": prompt + self.generated, "cached_tokens": self.reused}
@@ -116,6 +131,42 @@ class SeqState:
         return mx.random.categorical(x * (1 / p.temperature), key=key)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's table; SmolLM2, Llama 3, Qwen use it):
+    printable Latin-1 stands for itself, the other bytes for U+0100 upwards, in order."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(0x100 + i): b for i, b in enumerate(moved)}}
+
+
+_ALPHABET: dict[str, int] = {}
+
+
+def token_bytes(detok, tokenizer, tid: int) -> bytes:
+    """A token's own bytes: a byte-level or byte-fallback token may hold part of a character, which decoding it
+    alone turns into U+FFFD."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+    if isinstance(detok, SPMStreamingDetokenizer):  # its map holds bytes already (<0xF0> tokens as that byte)
+        return detok.tokenmap[tid].replace("\u2581".encode(), b" ")
+    if isinstance(detok, BPEStreamingDetokenizer):
+        if not _ALPHABET:
+            _ALPHABET.update(_byte_level_alphabet())
+        piece = detok.tokenmap[tid]
+        if all(c in _ALPHABET for c in piece):
+            return bytes(_ALPHABET[c] for c in piece)
+        return piece.encode("utf-8")  # an added token stored as plain text
+    return tokenizer.decode([tid]).encode("utf-8")
+
+
+def token_text(raw: bytes) -> str:
+    """OpenAI's token string: the bytes as text, or 'bytes:\\xf0\\x9f' when they are not whole UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def logprob_entries(rows: list[SeqState], logprobs, tokens: list[int], tokenizer) -> dict[int, dict]:
     """Per row that asked for logprobs: its token's logprob and its top alternatives (OpenAI's fields)."""
     import mlx.core as mx
@@ -128,10 +179,11 @@ def logprob_entries(rows: list[SeqState], logprobs, tokens: list[int], tokenizer
     mx.eval(lps, [t for t in tops if t is not None])
     out = {}
     for (j, k), r, top in zip(want, lps, tops):
+        detok = rows[j].detok
         alts = []
         if top is not None:
-            alts = sorted(((t, tokenizer.decode([t]), v) for t, v in zip(top.tolist(), r[top].tolist())),
+            alts = sorted(((t, token_bytes(detok, tokenizer, t), v) for t, v in zip(top.tolist(), r[top].tolist())),
                           key=lambda a: -a[2])
-        out[j] = {"id": tokens[j], "token": tokenizer.decode([tokens[j]]), "logprob": r[tokens[j]].item(),
+        out[j] = {"id": tokens[j], "bytes": token_bytes(detok, tokenizer, tokens[j]), "logprob": r[tokens[j]].item(),
                   "top": alts}
     return out

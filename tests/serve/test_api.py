@@ -187,3 +187,33 @@ def test_metrics_count_what_was_sent(server):
                   "mlxinfer_prefix_cache_bytes"):
         assert (gauge, ()) in after
     assert after[("mlxinfer_running_sequences", ())] == 0
+
+
+def test_logprobs_carry_each_tokens_own_bytes_and_stream_with_their_text(server):
+    """An emoji spans several byte-level tokens: each entry has its own bytes (OpenAI's 'bytes', and a token
+    string 'bytes:\\x..' when they are not whole UTF-8), not U+FFFD; the bytes rebuild the reply; streamed, each
+    chunk's entries are the tokens its text completes."""
+    msgs = [{"role": "user", "content": "Reply with three emoji only: 🚀🚀🚀"}]
+    r = server.client().chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=12,
+                                                logprobs=True, top_logprobs=2)
+    content, text = r.choices[0].logprobs.content, r.choices[0].message.content
+    assert any(ord(ch) > 0xFFFF for ch in text), text  # the greedy reply has an emoji (4 UTF-8 bytes)
+    assert all("\ufffd" not in e.token for e in content)
+    assert any(e.token.startswith("bytes:") for e in content)  # a token holding part of a character
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8").lstrip(" ") == text
+    for e in content:
+        assert all(t.bytes is not None for t in e.top_logprobs)
+
+    stream = server.client().chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=12,
+                                                     logprobs=True, stream=True)
+    shown = b""
+    covered = b""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        shown += (choice.delta.content or "").encode()
+        for e in (choice.logprobs.content if choice.logprobs else None) or []:
+            covered += bytes(e.bytes)
+        assert len(covered.lstrip(b" ")) <= len(shown)  # never an entry ahead of its text
+    assert covered.decode().lstrip(" ") == shown.decode() == text
