@@ -46,11 +46,6 @@ def _job(d: dict) -> Job:
     return Job(d["kind"], d["prompt"], SamplingParams(**d["params"]), d["max_tokens"], d["stop"], d["logprobs"])
 
 
-def _gone(s, now: float) -> bool:
-    """Rank 0's call: the client went away or the deadline passed (the scheduler's own reaping rule)."""
-    return s.ticket.cancelled or (s.ticket.deadline is not None and now > s.ticket.deadline)
-
-
 class _Nowhere(Ticket):
     """A follower's copy of a request: same job, no client to tell."""
 
@@ -118,10 +113,10 @@ class LeaderEngine(_Shared):
                 broadcast_text(None)
                 break
             for t in expired:
-                t.push(("error", ApiError(503, "the request timed out in the queue", code="timeout")))
-            now = time.perf_counter()
-            drop = ([i for i, s in enumerate(self._prefilling) if _gone(s, now)],
-                    [i for i, s in enumerate(self._batch) if _gone(s, now)])
+                t.push(("error", self._ended_error(queued=True)))
+            now = time.perf_counter()  # rank 0's call, sent to the others: the scheduler's own reaping rule
+            drop = ([i for i, s in enumerate(self._prefilling) if self._gone(s, now)],
+                    [i for i, s in enumerate(self._batch) if self._gone(s, now)])
             self._drop(*drop)
             joined = []
             for t in new:

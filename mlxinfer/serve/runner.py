@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 import socket
 
 from ..errors import InvalidParameter
@@ -45,7 +46,13 @@ def serve(loaded, opts: ServeOptions, *, host: str, port: int, grace: float, log
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            engine.draining = True  # requests arriving on open connections get 503 from now on
+            if self.should_exit:  # a second signal, whatever it is (uvicorn forces only on a second Ctrl-C)
+                self.force_exit = True
+            else:
+                engine.draining = True  # requests arriving on open connections get 503 from now on
+                # Requests still running a second before --grace runs out end with a 503 error event (a stream
+                # then closes properly) instead of being cut by uvicorn's cancellation.
+                engine.end_all_at(time.perf_counter() + max(0.0, grace - 1.0))
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager

@@ -73,6 +73,7 @@ class Engine:
         self._stopping = False
         self._peak = 0
         self.draining = False
+        self._end_all_at: float | None = None  # shutting down: requests still running then end with a 503
         self._thread = threading.Thread(target=self._thread_main, name="mlxinfer-engine", daemon=True)
 
     # ---- the HTTP side ------------------------------------------------------------------------------------
@@ -98,6 +99,12 @@ class Engine:
                                "queued); retry later", code="queue_full")
             self._waiting.append(ticket)
             self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify()
+
+    def end_all_at(self, when: float) -> None:
+        """At ``when`` (perf_counter), whatever still runs or waits ends with 'the server is shutting down'."""
+        with self._cond:
+            self._end_all_at = when
             self._cond.notify()
 
     def cancel(self, ticket: Ticket) -> None:
@@ -132,7 +139,7 @@ class Engine:
                 expired = self._expired_waiting()
                 self.metrics.queue_depth.set(len(self._waiting))
             for t in expired:
-                t.push(("error", ApiError(503, "the request timed out in the queue", code="timeout")))
+                t.push(("error", self._ended_error(queued=True)))
             try:
                 self._prefill_shared_start(new)
             except Exception as e:  # noqa: BLE001 - an optimisation only: each request then prefills all its prompt
@@ -156,7 +163,7 @@ class Engine:
     def _expired_waiting(self) -> list[Ticket]:
         now, out = time.perf_counter(), []
         for t in list(self._waiting):
-            if t.cancelled or (t.deadline is not None and now > t.deadline):
+            if t.cancelled or (t.deadline is not None and now > t.deadline) or self._ending(now):
                 self._waiting.remove(t)
                 if not t.cancelled:
                     out.append(t)
@@ -194,9 +201,13 @@ class Engine:
         self._prefilling.append(seq)
         self._update_gauges()
 
-    @staticmethod
-    def _gone(s: SeqState, now: float) -> bool:
-        return s.ticket.cancelled or (s.ticket.deadline is not None and now > s.ticket.deadline)
+    def _gone(self, s: SeqState, now: float) -> bool:
+        """The client went away, the request's deadline passed, or the shutdown's did."""
+        return s.ticket.cancelled or (s.ticket.deadline is not None and now > s.ticket.deadline) or \
+            self._ending(now)
+
+    def _ending(self, now: float) -> bool:
+        return self._end_all_at is not None and now >= self._end_all_at
 
     def _reap(self) -> None:
         """Cancelled and timed-out requests leave (a cancelled one within a token of its client going away). A row
@@ -370,9 +381,15 @@ class Engine:
         """reason None: cancelled (nothing to say) or timed out (an error the client may still read)."""
         if reason is None:
             if not s.ticket.cancelled:
-                s.ticket.push(("error", ApiError(503, "the request timed out", code="timeout")))
+                s.ticket.push(("error", self._ended_error()))
             return
         s.close(reason)
+
+    def _ended_error(self, queued: bool = False) -> ApiError:
+        if self._ending(time.perf_counter()):
+            return ApiError(503, "the server is shutting down before this request finished (its --grace ran out)",
+                            code="shutting_down")
+        return ApiError(503, "the request timed out" + (" in the queue" if queued else ""), code="timeout")
 
     def _fail_all(self, error: Exception | None) -> None:
         """An exception in a step (or the engine stopping) ends every request it holds with a 500/503."""

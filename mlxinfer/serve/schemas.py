@@ -15,6 +15,8 @@ from ..engine.sampling import SamplingParams
 from ..errors import InvalidParameter
 
 MAX_STOP = 4
+MAX_STOP_CHARS = 1000
+TEMPERATURE_MAX = 2.0  # OpenAI's range: 0 to 2
 MAX_TOP_LOGPROBS = 20
 
 # Request fields -> SamplingParams fields (the extensions keep their llama.cpp / vLLM names).
@@ -122,7 +124,15 @@ def _stop(data: dict) -> list[str]:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop")
+    if any(len(x) > MAX_STOP_CHARS for x in stop):  # each token looks back this far for a stop across pieces
+        raise bad(f"each 'stop' string may have at most {MAX_STOP_CHARS} characters", param="stop")
+    for x in stop:
+        _check_unicode(x, "stop")
     return stop
+
+
+# Message fields OpenAI's SDK may send back empty with an assistant message it received: fine while empty.
+_EMPTY_OK = ("tool_calls", "function_call", "audio", "refusal", "annotations")
 
 
 def _message_text(i: int, m: Any) -> dict[str, str]:
@@ -132,6 +142,11 @@ def _message_text(i: int, m: Any) -> dict[str, str]:
     for key in ("tool_calls", "function_call", "audio"):
         if m.get(key):
             raise bad(f"messages[{i}].{key}: tool and audio messages are not supported", param=f"messages[{i}]")
+    for key, value in m.items():
+        if key not in ("role", "content") and not (key in _EMPTY_OK and not value):
+            what = "participant names are not supported" if key == "name" else "unsupported field"
+            raise bad(f"messages[{i}].{key[:40]}: {what}", param=f"messages[{i}].{key[:40]}",
+                      code="unsupported_field")
     if role == "developer":  # OpenAI's newer name for the system role
         role = "system"
     if role not in ("system", "user", "assistant"):
@@ -151,7 +166,17 @@ def _message_text(i: int, m: Any) -> dict[str, str]:
         content = ""
     if not isinstance(content, str):
         raise bad(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+    _check_unicode(content, f"messages[{i}].content")
     return {"role": role, "content": content}
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """JSON's \\ud800 escapes give lone surrogates, which no tokenizer takes: named here, not deep inside it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"'{param}' is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start} "
+                  "(send whole characters)", param=param) from None
 
 
 def chat_messages(data: dict) -> list[dict[str, str]]:
@@ -180,6 +205,7 @@ def completion_prompt(data: dict) -> str | list[int]:
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # one prompt in a list; several would be n > 1
     if isinstance(p, str) and p:
+        _check_unicode(p, "prompt")
         return p
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return p  # ids outside the vocabulary, negative ones too, are named where the vocabulary is known (app)
@@ -189,6 +215,9 @@ def completion_prompt(data: dict) -> str | list[int]:
 def sampling_values(data: dict) -> dict[str, Any]:
     """The request's sampling values under SamplingParams' names (type checks happen in SamplingParams)."""
     out: dict[str, Any] = {}
+    if data.get("repetition_penalty") is not None and data.get("repeat_penalty") is not None:
+        raise bad("give 'repetition_penalty' or 'repeat_penalty', not both (two names for one setting)",
+                  param="repeat_penalty")
     for key, name in _SAMPLING.items():
         v = data.get(key)
         if v is None:
@@ -196,6 +225,12 @@ def sampling_values(data: dict) -> dict[str, Any]:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad(f"'{key}' must be a number", param=key)
         out[name] = v
+    t = out.get("temperature")
+    if t is not None and not 0 <= t <= TEMPERATURE_MAX:
+        raise bad(f"'temperature' must be between 0 and {TEMPERATURE_MAX:g}, got {t!r:.40}", param="temperature")
+    seed = out.get("seed")
+    if isinstance(seed, int) and -(2**63) <= seed < 0:
+        out["seed"] = seed % 2**64  # OpenAI's seed is a signed 64-bit integer; the sampler's is unsigned
     return out
 
 
@@ -215,6 +250,8 @@ def max_tokens(data: dict, kind: str, prompt_len: int, context: int, default: in
     default capped by the room left in the context."""
     key = "max_completion_tokens" if kind == "chat" and data.get("max_completion_tokens") is not None \
         else "max_tokens"
+    if key != "max_tokens":
+        _int(data, "max_tokens", 1)  # its type is checked too, though max_completion_tokens (OpenAI's newer) counts
     asked = _int(data, key, 1)
     if prompt_len >= context:
         raise bad(f"the prompt is {prompt_len} tokens, the model's context is {context}: shorten the prompt",

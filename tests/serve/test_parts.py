@@ -197,3 +197,40 @@ def test_json_nested_too_deeply_is_a_400():
     with pytest.raises(s.ApiError) as e:
         s.parse_json(b"[" * 100_000)
     assert e.value.status == 400 and e.value.code == "invalid_json" and "deeply" in e.value.message
+
+
+def _chat(*messages, **fields) -> dict:
+    return {"messages": list(messages), **fields}
+
+
+@pytest.mark.parametrize("data, param, needle", [
+    (_chat({"role": "user", "content": "x", "name": "bob"}), "messages[0].name", "participant names"),
+    (_chat({"role": "user", "content": "x", "frob": 1}), "messages[0].frob", "unsupported field"),
+    (_chat({"role": "user", "content": "bad \ud800 text"}), "messages[0].content", "lone surrogate"),
+    (_chat({"role": "user", "content": "x"}, stop=["y" * 1001]), "stop", "at most 1000 characters"),
+    (_chat({"role": "user", "content": "x"}, temperature=2.5), "temperature", "between 0 and 2"),
+    (_chat({"role": "user", "content": "x"}, temperature=1e308), "temperature", "between 0 and 2"),
+    (_chat({"role": "user", "content": "x"}, repetition_penalty=1.1, repeat_penalty=1.2), "repeat_penalty", "not both"),
+    (_chat({"role": "user", "content": "x"}, max_completion_tokens=5, max_tokens="x"), "max_tokens", "whole number"),
+])
+def test_request_rules_refuse_what_would_be_ignored_or_fail_deeper(data, param, needle):
+    with pytest.raises(s.ApiError) as e:
+        s.chat_messages(data)
+        s._stop(data)
+        s.sampling_values(data)
+        s.max_tokens(data, "chat", 3, 100, 20)
+    assert e.value.status == 400 and e.value.param == param and needle in e.value.message, e.value.message
+
+
+def test_request_rules_accept_what_openai_accepts():
+    """An assistant message as the SDK sends it back (empty refusal, tool_calls, annotations) is fine; a negative
+    seed (OpenAI's is a signed 64-bit integer) maps onto the sampler's unsigned one; 0 <= temperature <= 2."""
+    msgs = s.chat_messages(_chat({"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "yo", "refusal": None, "tool_calls": [],
+                                  "annotations": [], "audio": None, "function_call": None}))
+    assert msgs[1] == {"role": "assistant", "content": "yo"}
+    assert s.sampling_values({"seed": -1}) == {"seed": 2**64 - 1}
+    assert s.sampling_values({"seed": -(2**63)}) == {"seed": 2**63}
+    assert s.sampling_values({"temperature": 2}) == {"temperature": 2}
+    with pytest.raises(s.ApiError):
+        s.completion_prompt({"prompt": "a \udfff b"})

@@ -324,3 +324,56 @@ def test_every_route_is_counted_and_odd_requests_get_openai_errors(server):
                                                          ("/v1/chat/completions", "499"): 1}
     assert count("/metrics", "200") >= m0 + 6  # this test's own scrapes
     assert "ClientDisconnect" not in server.log_text()
+
+
+def _counting_stream(srv, out: dict) -> threading.Thread:
+    """A completion that counts for thousands of tokens, streamed; its 'data:' events land in out["events"]."""
+    def run():
+        body = {"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 4000, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", srv.url("/v1/completions"), json=body, timeout=120) as resp:
+                out["events"] = []
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        out["events"].append(line[6:])
+        except httpx.HTTPError as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert _wait(lambda: len(out.get("events", [])) > 3, timeout=60)
+    return thread
+
+
+def test_a_stream_still_running_when_grace_runs_out_ends_with_an_error_event(tmp_path):
+    """--grace 2: a second before it runs out the stream gets OpenAI's error object (it was cut mid-chunk with a
+    traceback in the log); the server exits 0. A second SIGTERM to another draining server ends it at once."""
+    srv = start_server(tmp_path, "--grace", "2")
+    out: dict = {}
+    try:
+        thread = _counting_stream(srv, out)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log_text()
+        thread.join(30)
+        assert time.monotonic() - t0 < 10
+        last = json.loads(out["events"][-1])
+        assert last["error"]["code"] == "shutting_down", out["events"][-3:]
+        assert "Traceback" not in srv.log_text() and "error" not in out
+    finally:
+        srv.stop()
+
+    srv = start_server(tmp_path, "--grace", "60")
+    out = {}
+    try:
+        thread = _counting_stream(srv, out)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert srv.proc.poll() is None  # draining: the stream may take its 60 s
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(30)
+        assert time.monotonic() - t0 < 10  # the second signal does not wait for the grace
+        thread.join(30)
+    finally:
+        srv.stop()
