@@ -7,8 +7,8 @@ One piece of code for every directory mlxinfer writes whole (convert's output, t
   signals held back (``signals_deferred``) so another one cannot cut the cleanup or the final rename short; parent
   folders it had to create go too.
 - ``sweep_stale(parent, name)`` removes what a run killed outright (SIGKILL, power loss) left: only our own temp
-  names, only when the pid in the name is gone *and* nobody holds the directory's lock (a concurrent run in another
-  pid namespace keeps its lock).
+  names holding our marker file (a user's folder named alike is left alone), only when the pid in the name is gone
+  *and* nobody holds the directory's lock (a concurrent run in another pid namespace keeps its lock).
 - ``write_failure(e, where)``: MLX reports a failed write as a bare RuntimeError; this names the real cause.
 """
 
@@ -26,7 +26,10 @@ from pathlib import Path
 
 from .errors import MlxinferError
 
-STALE_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(?:-[^/]*)?$")
+# mkdtemp's names: .NAME.tmp-PID-XXXXXXXX (8 of [a-z0-9_]); a folder of the user's that looks alike is never ours
+# unless it also holds MARKER, which only AtomicDir writes.
+STALE_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[a-z0-9_]{8}$")
+MARKER = ".mlxinfer-temp"
 _DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
@@ -97,6 +100,8 @@ def sweep_stale(parent: Path, name: str | None = None) -> list[Path]:
             continue
         if not entry.is_dir(follow_symlinks=False) or pid_alive(int(m["pid"])):
             continue
+        if not os.path.isfile(os.path.join(entry.path, MARKER)) or os.path.islink(os.path.join(entry.path, MARKER)):
+            continue  # a look-alike name the user gave a folder: not ours to delete
         try:
             fd = os.open(entry.path, os.O_RDONLY)
         except OSError:
@@ -155,6 +160,7 @@ class AtomicDir:
                 if self._sweep:
                     sweep_stale(parent, self.target.name)
                 self.path = Path(tempfile.mkdtemp(dir=parent, prefix=f".{self.target.name}.tmp-{os.getpid()}-"))
+                (self.path / MARKER).touch()
                 self._fd = os.open(self.path, os.O_RDONLY)
                 _try_lock(self._fd)
             except BaseException as e:
@@ -174,14 +180,17 @@ class AtomicDir:
                     raise FileExistsError(errno.EEXIST, "already exists", str(self.target))
                 old = Path(tempfile.mkdtemp(dir=self.target.parent,
                                             prefix=f".{self.target.name}.old-{os.getpid()}-"))
+                (old / MARKER).touch()
                 os.replace(self.target, old / "d")  # rename into a fresh name: never onto something else
             try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path / MARKER)  # the published folder is the user's (if cut here: never swept)
                 os.chmod(self.path, 0o777 & ~current_umask())  # mkdtemp's 0700 hid a converted model from others
                 os.replace(self.path, self.target)
             except BaseException:
                 if old is not None:
                     os.replace(old / "d", self.target)
-                    old.rmdir()
+                    shutil.rmtree(old, ignore_errors=True)
                 raise
             self.published = True
         if old is not None:  # signals welcome again: if one cuts this short, the next run sweeps the rest

@@ -272,13 +272,26 @@ def test_stale_temp_dirs_of_dead_processes_are_removed(llama_src, tmp_path):
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # its pid is now free: a killed conversion
-    stale = tmp_path / f".out.tmp-{dead.pid}-abcd"
+    from mlxinfer.fsutil import MARKER
+
+    stale = tmp_path / f".out.tmp-{dead.pid}-abcd1234"
     stale.mkdir()
+    (stale / MARKER).touch()  # what AtomicDir writes into its temp dirs
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"partial")
-    alive = tmp_path / f".out.tmp-{1}-efgh"  # pid 1 is alive (and not ours): never touched
+    alive = tmp_path / f".out.tmp-{1}-efgh5678"  # pid 1 is alive (and not ours): never touched
     alive.mkdir()
+    (alive / MARKER).touch()
+    # A user's folders named like ours, with a dead pid, but without the marker, or with a name mkdtemp never makes.
+    lookalike = tmp_path / f".out.old-{dead.pid}-notes123"
+    lookalike.mkdir()
+    (lookalike / "notes.txt").write_text("precious")
+    backup = tmp_path / f".out.tmp-{dead.pid}-backup"
+    backup.mkdir()
+    (backup / MARKER).touch()
     convert(str(llama_src), tmp_path / "out", ConvertOptions(bits=4, eval=False))
     assert not stale.exists() and alive.exists()
+    assert (lookalike / "notes.txt").read_text() == "precious" and backup.is_dir()
+    assert not (tmp_path / "out" / MARKER).exists()  # the published folder carries no marker
 
 
 _SLOW_CLI = """
