@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import InvalidParameter, MlxinferError
+from ..errors import InvalidModel, InvalidParameter, MlxinferError
 from ..fsutil import AtomicDir, write_failure
 from . import recipes as R
 from .output import OutputExists, check_not_source, check_output_path, check_replaceable, disk_error, is_model_file  # noqa: F401,E501
@@ -130,11 +130,19 @@ def _source_license(src_dir: Path, config: dict) -> str | None:
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
+    """The tokenizer, license and other small files, as files. A symlink is followed only to a file inside the
+    source (a Hub snapshot's links to its repo's blobs): one pointing elsewhere (a LICENSE linked to ~/.ssh/id_rsa
+    in a cloned repo) would copy that file, readable by all, into a folder users publish."""
+    root = src.parent.parent if src.parent.name == "snapshots" else src  # the Hub cache: models--org--name
+    root = root.resolve()
     for p in sorted(src.iterdir()):
         if not p.is_file() or p.name in SKIP_FILES or not is_model_file(p.name):
             continue
         if p.name.endswith((".safetensors", ".index.json")):
             continue
+        if p.is_symlink() and not p.resolve().is_relative_to(root):
+            raise InvalidModel(f"{p} links to {p.resolve()}, outside the model folder: not copied into a converted "
+                               "model", hint="replace the link with the file itself, or remove it")
         shutil.copyfile(p, dst / p.name)
 
 
@@ -290,6 +298,7 @@ def _build(tmp: Path, info: SourceInfo, opts: ConvertOptions, recipe: R.Recipe |
         else:  # import into our temp dir (removed with it) rather than filling the cache with a copy
             src_dir = convert_gguf(info.path, tmp / "_gguf", progress=progress)
 
+    _copy_side_files(src_dir, tmp)  # first: a link it refuses stops the run before the weights are written
     model, config, dtype = _prepare_model(src_dir, opts, recipe, notes)
     parameters = int(get_total_parameters(model))
     weights = dict(tree_flatten(model.parameters()))
@@ -301,7 +310,6 @@ def _build(tmp: Path, info: SourceInfo, opts: ConvertOptions, recipe: R.Recipe |
                                 progress=progress, after_tensor=after_tensor)
     del weights
 
-    _copy_side_files(src_dir, tmp)
     recipe_label = (recipe.label() if recipe else
                     "dequantized" if opts.dequantize else "kept as in the source (no quantization)")
     meta = {

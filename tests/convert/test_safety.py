@@ -326,3 +326,35 @@ def test_killed_cli_leaves_nothing(llama_src, tmp_path, sig):
     proc.send_signal(getattr(signal, sig))
     proc.communicate(timeout=60)
     assert not out.exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_side_files_linked_outside_the_source_are_refused(llama_src, tmp_path):
+    """A cloned repo whose LICENSE links to a private file: convert copied that file (0644) into the output, a
+    folder people publish. Links inside the source, or a Hub snapshot's links to its repo's blobs, still work."""
+    import os
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET")
+    os.chmod(secret, 0o600)
+    src = tmp_path / "src"
+    shutil.copytree(llama_src, src)
+    (src / "LICENSE").symlink_to(secret)
+    with pytest.raises(InvalidModel, match="links to .*secret.txt, outside the model folder"):
+        convert(str(src), tmp_path / "out", ConvertOptions(bits=4, eval=False))
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+    (src / "LICENSE").unlink()
+    (src / "docs").mkdir()
+    (src / "docs" / "LICENSE.txt").write_text("MIT")
+    (src / "LICENSE").symlink_to(src / "docs" / "LICENSE.txt")  # inside: copied as a file
+    hub = tmp_path / "models--org--tiny"
+    (hub / "blobs").mkdir(parents=True)
+    snap = hub / "snapshots" / "abc123"
+    shutil.copytree(src, snap, symlinks=False)
+    (snap / "LICENSE").unlink()
+    (hub / "blobs" / "f00d").write_text("Apache-2.0")
+    (snap / "LICENSE").symlink_to("../../blobs/f00d")
+    for source, text in ((src, "MIT"), (snap, "Apache-2.0")):
+        out = tmp_path / f"out-{source.name}"
+        convert(str(source), out, ConvertOptions(bits=4, eval=False))
+        assert (out / "LICENSE").read_text() == text and not (out / "LICENSE").is_symlink()
