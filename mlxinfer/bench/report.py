@@ -388,7 +388,33 @@ def output_target(value: str | None) -> tuple[str | None, Path | None]:
         raise InvalidParameter(f"unknown output {value!r}",
                                hint=f"use a format ({', '.join(FORMATS)}) or a file ending in .md/.csv/.json/.jsonl")
     check_writable(path)
+    if path.is_file() and path.stat().st_size and not _is_report(path, fmt):
+        raise InvalidParameter(f"refusing to overwrite {path}: it is not a bench report",
+                               hint="choose another -o file, or remove that one first")
     return fmt, path
+
+
+def _is_report(path: Path, fmt: str) -> bool:
+    """Whether an existing file is one a bench run wrote (in ``fmt``): those are replaced, anything else is not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = f.read(64 << 20 if fmt == "json" else 1 << 20)
+    except (OSError, UnicodeDecodeError):
+        return False
+    try:
+        if fmt == "json":  # bench and microbench records both carry "engine" (what ran) and "hardware"
+            data = json.loads(head)
+            return isinstance(data, list) and all(isinstance(r, dict) and {"engine", "hardware"} <= r.keys()
+                                                  for r in data)
+        if fmt == "jsonl":
+            first = json.loads(head.splitlines()[0])
+            return isinstance(first, dict) and {"engine", "hardware"} <= first.keys()
+    except (ValueError, IndexError):
+        return False
+    if fmt == "csv":
+        return bool(head) and "engine." in head.splitlines()[0]
+    # Markdown: our table, llama-bench's, microbench's
+    return any(mark in head for mark in ("| model |", "| kernel |", "no kernels measured"))
 
 
 def check_writable(path: Path) -> None:

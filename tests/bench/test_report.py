@@ -151,6 +151,25 @@ def test_baseline_loading_errors(tmp_path, records):
         report.load_baseline(bad)
 
 
+@pytest.mark.parametrize("fmt", ["json", "jsonl", "csv", "md"])
+def test_an_existing_file_is_replaced_only_when_it_is_a_bench_report(tmp_path, records, fmt):
+    """-o settings.json or -o README.md replaced the user's file; a report from an earlier run is replaced."""
+    earlier = tmp_path / f"run.{fmt}"
+    earlier.write_text(report.render(records, fmt))
+    assert report.output_target(str(earlier)) == (fmt, earlier)
+    llama = tmp_path / "llama.md"
+    llama.write_text(report.render(records, "md", llama=True))
+    assert report.output_target(str(llama))[1] == llama
+    other = tmp_path / f"settings.{fmt}"
+    other.write_text({"json": '{"theme": "dark"}', "jsonl": '{"a": 1}\n', "csv": "name,value\nx,1\n",
+                      "md": "# My notes\n\nkeep me\n"}[fmt])
+    with pytest.raises(InvalidParameter, match=f"refusing to overwrite .*settings.{fmt}: it is not a bench report"):
+        report.output_target(str(other))
+    empty = tmp_path / f"empty.{fmt}"
+    empty.touch()
+    assert report.output_target(str(empty))[1] == empty
+
+
 def test_output_target_checks_before_running(tmp_path):
     assert report.output_target("csv") == ("csv", None)
     assert report.output_target(str(tmp_path / "r.jsonl")) == ("jsonl", tmp_path / "r.jsonl")
