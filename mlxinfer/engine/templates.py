@@ -106,6 +106,12 @@ def _check_binop(op: str, left, right) -> None:
         _check_percent(left, right)
 
 
+def _check_join(sep: str, items) -> None:
+    """A join's size before it is built: the separator is repeated between every two items."""
+    if isinstance(items, (list, tuple)):
+        _limits.check_size(max(len(items) - 1, 0) * len(sep) + sum(len(str(x)) for x in items), "a join")
+
+
 def _check_call(obj, args, kwargs) -> None:
     """str methods that build big strings (ljust, center, zfill, replace, expandtabs, format)."""
     # The sandbox hands out str.format wrapped (functools.wraps keeps the bound method in __wrapped__).
@@ -123,8 +129,13 @@ def _check_call(obj, args, kwargs) -> None:
     elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
         count = owner.count(args[0]) if args[0] else len(owner) + 1
         _limits.check_size(len(owner) + count * (len(args[1]) - len(args[0])), "str.replace")
-    elif name in ("format", "format_map") and re.search(r"\d{7,}", owner):
-        raise TemplateLimit("a str.format width is over the output limit")
+    elif name in ("format", "format_map"):
+        if re.search(r"\d{7,}", owner):
+            raise TemplateLimit("a str.format width is over the output limit")
+        for n in numbers:  # a nested width: '{:>{}}'.format('x', 10**9)
+            _limits.check_size(abs(n), "a str.format argument used as a width")
+    elif name == "join" and len(args) == 1 and isinstance(args[0], (list, tuple)):
+        _check_join(owner, args[0])
 
 
 @lru_cache(maxsize=1)
@@ -186,7 +197,32 @@ def _wrapped_filters(filters: dict) -> dict:
         return filters["replace"](eval_ctx, s, old, new, count)
 
     replace.jinja_pass_arg = filters["replace"].jinja_pass_arg  # type: ignore[attr-defined]
-    return {"center": center, "indent": indent, "batch": batch, "format": fmt, "replace": replace, "tojson": _tojson}
+
+    def join(eval_ctx, value, d="", attribute=None):
+        items = list(value)
+        _limits.check_size(max(len(items) - 1, 0) * len(str(d)), "the join filter's separators")
+        if attribute is None:
+            _check_join(str(d), items)
+        return filters["join"](eval_ctx, items, d, attribute)
+
+    join.jinja_pass_arg = filters["join"].jinja_pass_arg  # type: ignore[attr-defined]
+
+    def slice_(eval_ctx, value, slices, fill_with=None):
+        if isinstance(slices, int):
+            _limits.check_size(slices, "the slice filter")
+        return filters["slice"](eval_ctx, value, slices, fill_with)
+
+    slice_.jinja_pass_arg = filters["slice"].jinja_pass_arg  # type: ignore[attr-defined]
+
+    def sum_(environment, iterable, attribute=None, start=0):
+        # sum(start=[]) concatenates lists in C, in quadratic time no deadline can interrupt: numbers only.
+        if isinstance(start, bool) or not isinstance(start, (int, float)):
+            raise TemplateLimit("the sum filter adds numbers only")
+        return filters["sum"](environment, iterable, attribute, start)
+
+    sum_.jinja_pass_arg = filters["sum"].jinja_pass_arg  # type: ignore[attr-defined]
+    return {"center": center, "indent": indent, "batch": batch, "format": fmt, "replace": replace, "tojson": _tojson,
+            "join": join, "slice": slice_, "sum": sum_}
 
 
 @lru_cache(maxsize=8)
@@ -279,12 +315,13 @@ def render(
     (one line) when the template fails, refuses the messages, renders nothing, or breaks a limit."""
     from jinja2.exceptions import SecurityError, TemplateError
 
-    compiled = _compile(template or FALLBACK_TEMPLATE)
     limit_s = time_limit()
     _limits.max_chars = BASE_OUTPUT_CHARS + 4 * _input_chars(messages, extra)
     pieces, size = [], 0
     try:
         with _Deadline(limit_s):
+            # Compiling runs template code too (jinja folds constant expressions): under the same deadline.
+            compiled = _compile(template or FALLBACK_TEMPLATE)
             for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                            **(special_tokens or {}), **extra):
                 pieces.append(piece)

@@ -86,6 +86,10 @@ def test_raw_prompt_skips_a_broken_template(tiny, env, tmp_path):
     "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}{{ ns.x }}",
     "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
     "{{ messages|tojson(indent=10**9) }}",
+    # Built in C where neither the sandbox nor the deadline could stop them (a serve worker froze for minutes):
+    "{{ range(100000)|join('x' * 40000) }}", "{{ '{:>{}}'.format('x', 4000000000) }}",
+    "{{ ('x' * 40000).join(['a'] * 100000) }}", "{{ [1]|slice(100000000)|list|length }}",
+    "{{ ([[0] * 1000] * 20000)|sum(start=[])|length }}",
 ])
 def test_size_limits_refuse_before_building(template):
     start = time.monotonic()
@@ -102,6 +106,14 @@ def test_time_limit_is_configurable_and_leaves_no_pending_stop(monkeypatch):
     assert time.monotonic() - start < 2
     time.sleep(0.5)  # a timer from the render must not fire into later code
     assert render("{{ messages[0].content }}", MESSAGES) == "hi"
+
+
+def test_the_wrapped_filters_still_do_their_job():
+    assert render("{{ ['a', 'b', 'c']|join(', ') }}", MESSAGES) == "a, b, c"
+    assert render("{{ messages|join('|', attribute='content') }}", MESSAGES) == "hi"
+    assert render("{{ [1, 2, 3, 4]|slice(2)|list }}", MESSAGES) == "[[1, 2], [3, 4]]"
+    assert render("{{ [1, 2, 3]|sum }} {{ [{'n': 2}, {'n': 3}]|sum(attribute='n', start=1) }}", MESSAGES) == "6 6"
+    assert render("{{ '-'.join(['a', 'b']) }} {{ '{:>3}'.format('x') }}", MESSAGES) == "a-b   x"
 
 
 @pytest.mark.parametrize("template, needle", [
