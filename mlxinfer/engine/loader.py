@@ -123,14 +123,14 @@ def _read_json(path: Path) -> dict:
 
 
 def _eos_ids(path: Path, config: dict) -> list[int]:
-    ids: list[int] = []
+    ids: dict[int, None] = {}  # ordered and de-duplicated in linear time (a config may list 100k of them)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # multimodal layout
     for source in (config, text, _read_json(path / "generation_config.json")):
         value = source.get("eos_token_id")
         for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and v not in ids:
-                ids.append(v)
-    return ids
+            if isinstance(v, int) and not isinstance(v, bool):
+                ids[v] = None
+    return list(ids)
 
 
 def load_model_dir(path: Path, *, lazy: bool = False):
