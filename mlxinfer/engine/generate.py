@@ -3,6 +3,8 @@ stop strings, timing stats) -> ``generate`` (collected text). Chat, bench and te
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -71,7 +73,24 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     warned = getattr(hf, "deprecation_warnings", None)
     if isinstance(warned, dict):
         warned["sequence-length-is-longer-than-the-specified-maximum"] = True
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    with tokenizer_guard():
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+@contextlib.contextmanager
+def tokenizer_guard():
+    """A Rust panic inside the tokenizer (a tokenizer.json regex that blows up on some text) surfaces as pyo3's
+    PanicException, a BaseException that every handler above would miss: it becomes one line about the model."""
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001 - only the panic is translated; everything else goes on up
+        if type(e).__name__ != "PanicException":
+            raise
+        from ..errors import InvalidModel
+
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise InvalidModel(f"the model's tokenizer crashed on this text ({first})",
+                           hint="its tokenizer.json is broken: download or convert the model again") from None
 
 
 def chat_text(loaded: LoadedModel, messages: list[dict[str, str]], **template_vars) -> str:
@@ -114,9 +133,13 @@ def _piece_encoder(tokenizer) -> Callable[[str], list[int]]:
     'sequence length is longer than the maximum' warning on stderr)."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     backend = getattr(hf, "backend_tokenizer", None)
-    if backend is not None:
-        return lambda piece: backend.encode(piece, add_special_tokens=False).ids
-    return lambda piece: list(hf.encode(piece, add_special_tokens=False))
+    def encode(piece: str) -> list[int]:
+        with tokenizer_guard():
+            if backend is not None:
+                return backend.encode(piece, add_special_tokens=False).ids
+            return list(hf.encode(piece, add_special_tokens=False))
+
+    return encode
 
 
 def _count_encoder(tokenizer) -> Callable[[str], int]:

@@ -15,3 +15,31 @@ def test_eos_ids_are_ordered_unique_and_linear_in_time(tmp_path):
     start = time.monotonic()
     assert len(_eos_ids(tmp_path, {"eos_token_id": list(range(200_000)) * 2})) == 200_000
     assert time.monotonic() - start < 10  # a hang guard: the scan took ~200 s
+
+
+def test_a_tokenizer_panic_is_one_line_about_the_model():
+    """tokenizers turns a Rust panic (a tokenizer.json regex that explodes on some text) into pyo3's
+    PanicException, a BaseException: it crashed chat and generate with a traceback (exit 1)."""
+    import pytest
+
+    from mlxinfer.engine.generate import _encode, _piece_encoder
+    from mlxinfer.errors import InvalidModel
+
+    class PanicException(BaseException):
+        pass
+
+    class Broken:
+        bos_token = None
+
+        def encode(self, text, add_special_tokens=True):
+            raise PanicException("Onig: Regex search error: retry-limit-in-match over")
+
+    with pytest.raises(InvalidModel, match="the model's tokenizer crashed on this text \\(Onig: Regex search"):
+        _encode(Broken(), "aaaa!", False)
+    with pytest.raises(InvalidModel, match="tokenizer crashed"):
+        _piece_encoder(Broken())("aaaa!")
+    with pytest.raises(KeyboardInterrupt):  # other BaseExceptions are not touched
+        class Interrupting(Broken):
+            def encode(self, text, add_special_tokens=True):
+                raise KeyboardInterrupt
+        _encode(Interrupting(), "x", False)
