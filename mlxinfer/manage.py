@@ -151,15 +151,15 @@ def local_dir(target: Target) -> Optional[Path]:
 
 def _safetensors_params(directory: Path, config: dict) -> Optional[int]:
     """Parameter count from the safetensors headers (8-byte length + JSON), unpacking quantized weights."""
+    from .engine.model_checks import safetensors_header
+
     quant = config.get("quantization") or {}
     total = 0
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         return None
     for f in files:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
+        header = safetensors_header(f)  # checked: shapes, offsets, the file's size; a FIFO refused
         for name, t in header.items():
             if name == "__metadata__" or name.endswith((".scales", ".biases")):
                 continue
@@ -169,6 +169,9 @@ def _safetensors_params(directory: Path, config: dict) -> Optional[int]:
             if t["dtype"] == "U32" and f"{name[:-len('.weight')]}.scales" in header:
                 layer = quant.get(name[:-len(".weight")], {}) if isinstance(quant, dict) else {}
                 bits = (layer if isinstance(layer, dict) else {}).get("bits", quant.get("bits", 4))
+                if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+                    raise InvalidModel(f"{directory}/config.json: the quantization of {name} has bits {bits!r}",
+                                       hint="the config is corrupt")
                 count = count * 32 // bits
             total += count
     return total
@@ -226,16 +229,22 @@ def describe(target: Target) -> dict:
     from .engine.model_checks import text_value
     from .sources.cache import _dir_bytes
 
+    from .engine.model_checks import check_config, read_config
+
     try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise InvalidModel(f"{directory}/config.json cannot be read ({e})", hint="pull the model again") from None
+        config = read_config(directory)  # a dict, or one line saying why not
+    except OSError as e:
+        raise InvalidModel(f"{directory}/config.json cannot be read ({e.strerror or e})",
+                           hint="pull the model again") from None
+    check_config(directory, config)  # the sizes and the quantization section the counts below use
     record = config.get("mlxinfer") if isinstance(config.get("mlxinfer"), dict) else {}
     params = _safetensors_params(directory, config)
+    archs = config.get("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
     source = spec.source_label() if spec is not None else str(record.get("file", directory))
     info = {
         "model": target.label, "source": source, "path": str(directory),
-        "architecture": ", ".join(config.get("architectures") or []) or config.get("model_type", "?"),
+        "architecture": ", ".join(archs) or config.get("model_type", "?"),
         "model_type": config.get("model_type"),
         "parameters": params,
         "quantization": _quant_text(config) + (f" (from GGUF {record['file_type_name']})"

@@ -97,6 +97,9 @@ def model_dir(spec: ModelSpec, progress: Progress | None = None) -> Path:
 def check_model_dir(path: Path) -> dict:
     """Fail early, with one clear line, on directories mlx-lm could not load or should not: custom code, a broken
     or absurd config.json, weights that contradict it. Returns the config."""
+    from .model_checks import require_regular
+
+    require_regular(path / "config.json")
     if not (path / "config.json").is_file():
         raise InvalidModel(f"{path} has no config.json", hint="give an MLX model directory, a .gguf file or a Hub repo")
     if not list(path.glob("model*.safetensors")):  # what mlx-lm's load_model reads
@@ -109,6 +112,9 @@ def check_model_dir(path: Path) -> dict:
     from .model_checks import check_model_files
     from .trust import check_no_remote_code
 
+    for p in path.iterdir():  # what the loaders open: a FIFO there would block the load forever
+        if p.suffix in (".json", ".safetensors", ".model", ".jinja", ".txt", ".tiktoken"):
+            require_regular(p)
     config = check_model_files(path)
     check_no_remote_code(path)
     return config

@@ -40,15 +40,31 @@ _DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32
                "U16": 16, "I8": 8, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8}
 
 
+def require_regular(file: Path) -> None:
+    """A FIFO, device or socket where a model file should be would block the read forever (or never end)."""
+    import stat
+
+    try:
+        mode = file.stat().st_mode
+    except OSError:
+        return  # missing: the caller's own open says so
+    if not stat.S_ISREG(mode):
+        raise InvalidModel(f"{file} is not a regular file (a FIFO, device or socket)",
+                           hint="a model folder holds plain files; remove it or download the model again")
+
+
 def read_config(path: Path) -> dict:
     """config.json as a dict, or one line saying why it cannot be one."""
     file = path / "config.json"
+    require_regular(file)
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise InvalidModel(f"{file} is not UTF-8 text", hint="it is not a model config") from None
     except ValueError as e:
         raise InvalidModel(f"{file} is not valid JSON ({e})", hint="the file may be truncated or corrupt") from None
+    except RecursionError:
+        raise InvalidModel(f"{file} nests JSON too deeply", hint="it is not a model config") from None
     if not isinstance(config, dict):
         raise InvalidModel(f"{file} is a JSON {_kind(config)}, not an object", hint="it is not a model config")
     return config
@@ -110,6 +126,7 @@ def safetensors_header(file: Path) -> dict[str, dict]:
     """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors header, checked against the file size.
     Reads the header only."""
     try:
+        require_regular(file)
         size = file.stat().st_size
         with open(file, "rb") as f:
             head = f.read(8)
@@ -120,7 +137,7 @@ def safetensors_header(file: Path) -> dict[str, dict]:
             header = json.loads(f.read(n))
     except OSError as e:
         raise InvalidModel(f"cannot read {file}: {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise InvalidModel(f"{file} has a corrupt safetensors header", hint="delete it and download or convert again") \
             from None
     if not isinstance(header, dict):
@@ -133,7 +150,7 @@ def safetensors_header(file: Path) -> dict[str, dict]:
             bits = _DTYPE_BITS.get(info["dtype"], 8)
             ok = all(d >= 0 for d in shape) and 0 <= int(start) <= int(stop)
             need = math.prod(shape) * bits // 8
-        except (TypeError, KeyError, ValueError, AttributeError):
+        except (TypeError, KeyError, ValueError, AttributeError, OverflowError):  # OverflowError: int(1e400)
             ok, need, stop, start = False, 0, 0, 0
         if not ok or int(stop) - int(start) < need:
             raise InvalidModel(f"{file}: tensor '{name}' has an inconsistent header entry",

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .console_out import format_bytes
+from .console_out import format_bytes, printable
 
 
 def print_models(rows, default: str, user_file: Path) -> None:
@@ -22,7 +22,8 @@ def print_models(rows, default: str, user_file: Path) -> None:
     for r in (r for r in rows if r.kind == "alias"):
         mark = f"✓ {format_bytes(r.disk_bytes)}" if r.on_disk else "–"
         alias = f"{r.alias} *" if r.alias == default else r.alias
-        table.add_row(alias, r.params, r.quant, mark, f"{r.description}\n[dim]{escape(r.source)}[/dim]")
+        table.add_row(escape(printable(alias)), escape(printable(str(r.params))), escape(printable(str(r.quant))), mark,
+                      f"{escape(printable(r.description))}\n[dim]{escape(printable(r.source))}[/dim]")
     console.print(table)
     console.print(f"* default model. Your own aliases go in {user_file} (or $MLXINFER_MODELS).", style="dim")
     cached = [r for r in rows if r.kind != "alias"]
@@ -37,8 +38,8 @@ def print_models(rows, default: str, user_file: Path) -> None:
     table.add_column("details / location", overflow="fold")
     for r in cached:
         via = f"alias {', '.join(r.aliases)}; " if r.aliases else ""
-        table.add_row(escape(r.name), r.kind, r.quant, format_bytes(r.disk_bytes or 0),
-                      f"{escape(via + r.description)}\n[dim]{escape(r.location or '')}[/dim]")
+        table.add_row(escape(printable(r.name)), r.kind, escape(printable(str(r.quant))), format_bytes(r.disk_bytes or 0),
+                      f"{escape(printable(via + r.description))}\n[dim]{escape(printable(r.location or ''))}[/dim]")
     console.print(table)
     total = sum(r.disk_bytes or 0 for r in cached)
     console.print(f"{len(cached)} cached model(s), {format_bytes(total)} on disk. Free space: mlxinfer rm NAME.",
@@ -73,5 +74,5 @@ def print_show(info: dict) -> None:
             value = _params(value)
         elif key == "disk_bytes":
             value = format_bytes(value)
-        table.add_row(label, escape(str(value)))
+        table.add_row(label, escape(printable(str(value))))
     Console().print(table)

@@ -158,3 +158,44 @@ def test_tokenizer_config_that_is_not_an_object(tiny, tmp_path, content):
     (d / "tokenizer_config.json").write_text(content)
     assert_one_line_error(run_in_process("generate", str(d), "-p", "hi", "--max-tokens", "2"),
                           "tokenizer_config.json is not a JSON object")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.json"])
+def test_a_fifo_in_the_model_folder_is_refused_not_waited_on(tiny, tmp_path, name):
+    """A FIFO where a model file should be blocked generate and show forever."""
+    import os
+
+    d = _copy(tiny, tmp_path / "m")
+    (d / name).unlink()
+    os.mkfifo(d / name)
+    start = time.monotonic()
+    commands = [("generate", str(d), "-p", "hi", "-n", "2")]
+    if name != "tokenizer.json":  # show reads no tokenizer
+        commands.append(("show", str(d)))
+    for command in commands:
+        result = run_in_process(*command)
+        assert_one_line_error(result, f"{name} is not a regular file" if command[0] == "generate" or
+                              name != "config.json" else "has no config.json")
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "is a JSON list, not an object"),
+    (lambda d: (d / "config.json").write_text(json.dumps({**_config(d), "architectures": 5})), None),
+    (lambda d: (d / "config.json").write_text(json.dumps({**_config(d), "quantization": {"bits": 0,
+                                                                                     "group_size": 64}})),
+     "not bits 1..8"),
+    (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 30) + b"{" * 30 + b"\0" * 8),
+     "corrupt safetensors header"),
+    (lambda d: (d / "extra.safetensors").write_bytes(struct.pack("<Q", 60) + json.dumps(
+        {"a": {"dtype": "F32", "shape": [1e400], "data_offsets": [0, 4]}}).encode().ljust(60) + b"\0" * 4),
+     "extra.safetensors"),
+])
+def test_show_on_malformed_files_is_one_line_never_an_internal_error(tiny, tmp_path, change, needle):
+    d = _copy(tiny, tmp_path / "m")
+    change(d)
+    result = run_in_process("show", str(d))
+    if needle is None:  # a bad 'architectures' is only not shown: the model_type stands in
+        assert result.returncode == 0 and "llama" in result.stdout, result.stderr
+    else:
+        assert_one_line_error(result, needle)

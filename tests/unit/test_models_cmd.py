@@ -257,3 +257,16 @@ def test_show_says_what_a_local_path_is(caches, tmp_path):
     one_error_line(cli(caches, "show", str(text)), "is not a model (a .gguf file or a model directory)")
     one_error_line(cli(caches, "show", str(tmp_path / "empty")), "has no config.json: not an MLX model directory")
     one_error_line(cli(caches, "show", str(gguf)), "is not imported yet", f"run: mlxinfer pull {gguf}")
+
+
+def test_control_characters_from_model_files_never_reach_the_terminal(capsys):
+    """A config's architecture or a card's license with ESC sequences (clear screen, set the window title) was
+    printed raw by show; error lines quoting a file are cleaned the same way."""
+    from mlxinfer.cli.main import _say
+    from mlxinfer.ui.models_view import print_show
+
+    print_show({"model": "m", "architecture": "Llama\x1b[2J", "license": "mit\x1b]0;pwned\x07", "path": "/x"})
+    _say("error: model_type '\x1b[31mred' is not known")
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out and "\x07" not in out and "Llama?[2J" in out and "mit?]0;pwned?" in out
+    assert err == "error: model_type '?[31mred' is not known\n"
