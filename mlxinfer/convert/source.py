@@ -6,7 +6,6 @@ Safety rules live here: pickle checkpoints are refused, and models that need rem
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +57,10 @@ def check_hf_dir(path: Path) -> dict:
         if pickles:
             _refuse_pickle(path / pickles[0])
         raise InvalidModel(f"{path} has no *.safetensors weights", hint="the download may be incomplete")
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except ValueError as e:
-        raise InvalidModel(f"{path}/config.json is not valid JSON ({e})") from None
+    from ..engine.model_checks import check_config, read_config
+
+    config = read_config(path)  # a JSON object, or one line saying why not
+    check_config(path, config)  # model_type a name, sizes whole numbers in range
     if config.get("model_file"):
         raise InvalidModel(
             f"{path} needs its own Python code ({config['model_file']}) to build the model; "

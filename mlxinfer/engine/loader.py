@@ -148,7 +148,8 @@ def load_model_dir(path: Path, *, lazy: bool = False):
         return load_model(path, lazy=lazy, trust_remote_code=False)
     except MlxinferError:
         raise
-    except (TypeError, AttributeError, ZeroDivisionError, OverflowError, IndexError) as e:
+    except (TypeError, AttributeError, ZeroDivisionError, OverflowError, IndexError, NameError) as e:
+        # (NameError: mlx-lm's UnboundLocalError on a quantization_config that its weights do not match)
         # A config.json that passed the sanity checks but still does not fit the architecture's fields.
         msg = str(e).splitlines()[0] if str(e) else ""
         raise InvalidModel(

@@ -190,6 +190,13 @@ def check_weights_match(path: Path, config: dict) -> None:
         if isinstance(hidden, int) and width is not None and width != hidden:
             raise InvalidModel(f"{file} says hidden_size {hidden} but {name} in the weights is {width} wide",
                                hint="the config does not belong to these weights")
+    if isinstance(config.get("quantization"), dict):
+        for n, info in tensors.items():  # MLX packs quantized weights into uint32 words beside their scales
+            if n.endswith(".scales") and n[:-7] + ".weight" in tensors \
+                    and tensors[n[:-7] + ".weight"].get("dtype") != "U32":
+                raise InvalidModel(f"{file}: {n[:-7]}.weight is stored as {tensors[n[:-7] + '.weight'].get('dtype')}"
+                                   " beside its scales, not as packed uint32 words",
+                                   hint="the weights are corrupt or not MLX-quantized; convert the model again")
     stacks: dict[str, set[int]] = {}
     for n in tensors:
         m = _LAYER_RE.search(n)

@@ -199,3 +199,41 @@ def test_show_on_malformed_files_is_one_line_never_an_internal_error(tiny, tmp_p
         assert result.returncode == 0 and "llama" in result.stdout, result.stderr
     else:
         assert_one_line_error(result, needle)
+
+
+def test_weights_and_quantization_configs_that_mlx_lm_would_trip_on_are_one_line(tiny, tmp_path):
+    """A quantized weight stored as bytes beside its scales failed in the first matmul, and a GPTQ
+    quantization_config over plain weights inside mlx-lm (UnboundLocalError): both were internal errors."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    d = _copy(tiny, tmp_path / "gptq")
+    (d / "config.json").write_text(json.dumps({**_config(d), "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128}}))
+    assert_one_line_error(run_in_process("generate", str(d), "-p", "hi", "-n", "2"), "does not fit mlx-lm's 'llama'")
+
+    q = tmp_path / "q4"
+    q.mkdir()
+    cfg = _config(tiny)
+    model = llama.Model(llama.ModelArgs(**{k: v for k, v in cfg.items() if k in llama.ModelArgs.__dataclass_fields__}))
+    nn.quantize(model, group_size=32, bits=4)
+    weights = dict(tree_flatten(model.parameters()))
+    name = next(k for k in weights if k.endswith("down_proj.weight"))
+    weights[name] = weights[name].view(mx.uint8)[..., : weights[name].shape[-1]]  # right shape, wrong dtype
+    mx.save_safetensors(str(q / "model.safetensors"), weights)
+    (q / "config.json").write_text(json.dumps({**cfg, "quantization": {"group_size": 32, "bits": 4}}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (q / f).write_bytes((tiny / f).read_bytes())
+    assert_one_line_error(run_in_process("generate", str(q), "-p", "hi", "-n", "2"),
+                          "down_proj.weight is stored as U8 beside its scales")
+
+
+def test_convert_checks_config_json_as_the_loader_does(tiny, tmp_path):
+    for text, needle in (("[1]", "is a JSON list, not an object"),
+                         (json.dumps({**_config(tiny), "model_type": ["llama"]}), "not an architecture name")):
+        d = _copy(tiny, tmp_path / f"c{len(text)}")
+        (d / "config.json").write_text(text)
+        assert_one_line_error(run_in_process("convert", str(d), "-o", str(tmp_path / f"o{len(text)}"), "--no-eval"),
+                              needle)
