@@ -66,9 +66,13 @@ class _Cursor:
         return s
 
     def count(self, n: int, item_bytes: int) -> int:
-        """A count read from the file, checked against the bytes left (a corrupt count must not allocate)."""
+        """A count read from the file, checked against the bytes left (a corrupt count must not allocate) and
+        against MAX_ARRAY (a metadata array becomes a Python list, ~9 bytes of memory per byte of u8 data)."""
         if n * item_bytes > self.size - self.pos:
             raise struct.error(f"count {n} runs past the end of the file")
+        if n > MAX_ARRAY:
+            raise struct.error(f"a metadata array of {n:,} entries (more than {MAX_ARRAY:,}: no tokenizer has that "
+                               "many)")
         return n
 
     def strings(self, n: int) -> list[str]:
@@ -94,12 +98,14 @@ class _Cursor:
             if etype == 9:
                 return [self.value(etype) for _ in range(self.count(n, 12))]
             dt = np.dtype(_NP_SCALAR[etype])
-            if self.pos + n * dt.itemsize > self.size:
-                raise struct.error("array runs past the end of the file")
+            self.count(n, dt.itemsize)
             arr = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos)
             self.pos += n * dt.itemsize
             return arr.tolist()
         return self.take(_SCALAR[vtype])
+
+
+MAX_ARRAY = 4_000_000  # metadata array entries: vocabularies and their merges stay below ~1M
 
 
 def _type_info(type_id: int) -> tuple[str, int, int]:

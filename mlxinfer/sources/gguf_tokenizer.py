@@ -148,6 +148,10 @@ def _bpe_tokenizer_json(meta: dict[str, Any], add_bos: bool, add_eos: bool) -> d
     }
 
 
+MAX_PIECE_CHARS = 4096
+MAX_MERGE_CHARS = 100_000_000  # characters over all merges (Gemma 3's 262k pieces: ~20M)
+
+
 def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[list[str]]:
     """Every (left, right) pair of vocab pieces whose concatenation is a piece, best merged score first.
 
@@ -156,13 +160,24 @@ def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> lis
     """
     ids = {t: i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED, UNUSED)}
     get, merges = ids.get, []
+    # A crafted vocabulary ("a", "aa", ... "a" * N) makes N²/2 merges (a 2 MB file gave a 1 GB tokenizer.json):
+    # real ones give a few per piece (Gemma 3: ~2.5M for 262k pieces) and no piece is kilobytes long.
+    limit, chars = max(MAX_MERGE_CHARS, 64 * len(ids)), 0
     for piece, i in ids.items():  # ~2.5M splits for a 262k vocabulary: kept to plain dict lookups
+        if len(piece) > MAX_PIECE_CHARS:
+            raise InvalidModel(f"the GGUF's vocabulary has a piece of {len(piece):,} characters (the most a real "
+                               f"one has is far below {MAX_PIECE_CHARS:,})", hint="the file is corrupt or crafted")
+        if chars > limit:
+            raise InvalidModel(f"the GGUF's vocabulary makes merges of more than {limit:,} characters in all (a few "
+                               "per piece in a real one)", hint="the file is corrupt or crafted")
+        before = len(merges)
         for k in range(1, len(piece)):
             left = get(piece[:k])
             if left is not None:
                 right = get(piece[k:])
                 if right is not None:
                     merges.append((-scores[i], i, left, right))
+        chars += (len(merges) - before) * len(piece)
     merges.sort()
     return [[tokens[left], tokens[right]] for _, _, left, right in merges]
 

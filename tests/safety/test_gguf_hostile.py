@@ -101,6 +101,15 @@ def _lie_offset(path: Path) -> None:
     _patch_u64(path, _tensor_info_offset(path, "blk.1.ffn_down.weight"), 1 << 40)
 
 
+def _spm(extra: set[str]) -> tuple[dict, dict]:
+    """Metadata and tensor shapes of a SentencePiece ("llama") vocabulary holding ``extra`` pieces."""
+    tokens = ["<unk>", "<s>", "</s>", *sorted(extra)]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": DROP, "tokenizer.ggml.merges": DROP,
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": [0.0] * len(tokens),
+            "tokenizer.ggml.token_type": [2, 3, 3] + [1] * len(extra), "tokenizer.ggml.bos_token_id": 1}
+    return meta, {"token_embd.weight": (len(tokens), H), "output.weight": (len(tokens), H)}
+
+
 CASES = {
     # name: (metadata overrides, tensor shape overrides, post-write patch, needles in the one line)
     "shape contradicts embedding_length": ({}, {"blk.0.ffn_up.weight": (FF // 2, H)}, None,
@@ -130,6 +139,12 @@ CASES = {
     "tensor count 2**40": ({}, {}, lambda p: _patch_u64(p, 8, 1 << 40), ["count", "end of the file"]),
     "metadata count 2**40": ({}, {}, lambda p: _patch_u64(p, 16, 1 << 40), ["count", "end of the file"]),
     "data offset past the end": ({}, {}, _lie_offset, ["blk.1.ffn_down.weight", "truncated"]),
+    # Memory blow-ups from small files: a metadata array became a Python list (~9x its bytes), and a vocabulary of
+    # "a", "aa", ... "a" * N made N²/2 SentencePiece merges (a 2 MB file gave a 1 GB tokenizer.json).
+    "metadata array of 4M+ entries": ({"general.junk": [0] * 4_000_001}, {}, None, ["metadata array of 4,000,001"]),
+    "SentencePiece merges explode": (*_spm({f"a{'a' * k}" for k in range(1500)}), None,
+                                     ["merges of more than", "characters in all"]),
+    "SentencePiece piece of 5000 characters": (*_spm({"x" * 5000}), None, ["a piece of 5,000 characters"]),
 }
 
 
