@@ -15,7 +15,8 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("mlxinfer_requests", "Finished HTTP requests by route and status (every route but /health; 'other': unknown paths).",
+        self.requests = Counter("mlxinfer_requests", "Finished HTTP requests by route and status (every route but "
+                                "/health; 'other': unknown paths).",
                                 ["route", "status"], registry=r)
         self.prompt_tokens = Counter("mlxinfer_prompt_tokens", "Prompt tokens of accepted requests (as in usage).",
                                      registry=r)

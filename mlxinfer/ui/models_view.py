@@ -38,7 +38,8 @@ def print_models(rows, default: str, user_file: Path) -> None:
     table.add_column("details / location", overflow="fold")
     for r in cached:
         via = f"alias {', '.join(r.aliases)}; " if r.aliases else ""
-        table.add_row(escape(printable(r.name)), r.kind, escape(printable(str(r.quant))), format_bytes(r.disk_bytes or 0),
+        table.add_row(escape(printable(r.name)), r.kind, escape(printable(str(r.quant))),
+                      format_bytes(r.disk_bytes or 0),
                       f"{escape(printable(via + r.description))}\n[dim]{escape(printable(r.location or ''))}[/dim]")
     console.print(table)
     total = sum(r.disk_bytes or 0 for r in cached)
