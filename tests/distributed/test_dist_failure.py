@@ -11,18 +11,27 @@ from dist_cli import launch_cmd, needs_launch, rank_pids, tiny_llama
 pytestmark = needs_launch
 
 
-def test_killing_a_rank_mid_generation_ends_the_other_with_one_line(tmp_path):
-    model = tiny_llama(tmp_path / "m")
-    cmd = launch_cmd("generate", model, "--raw", "-p", "tell me", "--temp", "1", "--seed", "3", "--max-tokens", "480")
+def _generating(tmp_path, timeout: str) -> subprocess.Popen:
+    """Two ranks generating from a tiny llama under mlx.launch, returned once their output has begun."""
+    cmd = launch_cmd("generate", tiny_llama(tmp_path / "m"), "--raw", "-p", "tell me", "--temp", "1", "--seed", "3",
+                     "--max-tokens", "480")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "MLXINFER_DIST_TIMEOUT": "20"})
+                            env={**os.environ, "MLXINFER_DIST_TIMEOUT": timeout})
+    os.set_blocking(proc.stdout.fileno(), False)
+    out, start = b"", time.monotonic()
+    while len(out) < 8 and time.monotonic() - start < 120 and proc.poll() is None:
+        out += proc.stdout.read() or b""
+        time.sleep(0.05)
+    if len(out) < 8:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("generation never started")
+    return proc
+
+
+def test_killing_a_rank_mid_generation_ends_the_other_with_one_line(tmp_path):
+    proc = _generating(tmp_path, timeout="20")
     try:
-        os.set_blocking(proc.stdout.fileno(), False)
-        out, start = b"", time.monotonic()
-        while len(out) < 8 and time.monotonic() - start < 120 and proc.poll() is None:  # generation has begun
-            out += proc.stdout.read() or b""
-            time.sleep(0.05)
-        assert len(out) >= 8, "generation never started"
         victims = rank_pids(proc.pid, 1)
         assert victims, "rank 1 not found"
         for pid in victims:
@@ -94,18 +103,9 @@ def test_ranks_end_soon_after_their_launcher_is_killed(tmp_path):
     """kill -9 on mlx.launch: no SIGTERM reaches the ranks and nobody reads their output. Each rank sees its
     parent gone and ends within seconds, not after MLXINFER_DIST_TIMEOUT (set long here, so only that check can
     end the rank waiting in a collective)."""
-    model = tiny_llama(tmp_path / "m")
-    cmd = launch_cmd("generate", model, "--raw", "-p", "tell me", "--temp", "1", "--seed", "3", "--max-tokens", "480")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "MLXINFER_DIST_TIMEOUT": "300"})
+    proc = _generating(tmp_path, timeout="300")
     ranks: list[int] = []
     try:
-        os.set_blocking(proc.stdout.fileno(), False)
-        out, start = b"", time.monotonic()
-        while len(out) < 8 and time.monotonic() - start < 120 and proc.poll() is None:  # generation has begun
-            out += proc.stdout.read() or b""
-            time.sleep(0.05)
-        assert len(out) >= 8, "generation never started"
         ranks = rank_pids(proc.pid, 0) + rank_pids(proc.pid, 1)
         assert len(ranks) == 2, ranks
         proc.kill()
