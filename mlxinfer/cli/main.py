@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         _say("\nterminated")
         return e.exit_code
     except KeyboardInterrupt:
+        from ..distributed.group import note_interrupted
+
+        note_interrupted()
         _say("\ninterrupted")
         return 130
     except BrokenPipeError:

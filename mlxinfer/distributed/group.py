@@ -270,14 +270,23 @@ def fail(line: str, code: int = 1) -> None:
     if _FAILING:
         return
     _FAILING = True
-    if interrupted_follower():
-        code = 130  # Ctrl-C in the launcher's terminal reached this rank too: its peer ended for that reason
+    if _WORLD is not None and _WORLD.interrupted:
+        # Ctrl-C ended this run (rank 0 said "interrupted"; a follower got it from the launcher's terminal): what
+        # ends the process now (its peer gone, the launcher's SIGTERM while it exits) is a consequence.
+        os._exit(130)
     try:
         sys.stderr.write(f"error: {line}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
     os._exit(code)
+
+
+def note_interrupted() -> None:
+    """Rank 0 is ending on Ctrl-C: a SIGTERM from the launcher while it exits (a follower left first) must not
+    turn its 130 into 143 with a second line."""
+    if _WORLD is not None:
+        _WORLD.interrupted = True
 
 
 def interrupted_follower() -> bool:
