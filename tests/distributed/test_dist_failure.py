@@ -163,3 +163,19 @@ def test_ctrl_c_in_the_launchers_terminal_ends_generate_on_every_rank_with_130(s
     out = bytes(term.out).decode("utf-8", "replace")
     ends = dict(re.findall(r"rank (\d) exited with code (-?\d+)", out))
     assert ends == {"0": "130", "1": "130"}, out[-800:]
+
+
+def test_a_rank_ending_soon_after_a_ctrl_c_exits_130_quietly():
+    """A SIGINT landing while MLX waits can leave rank 0's main thread stuck, so it never says "interrupted";
+    the watchdog saw the signal arrive, and what ends the rank within seconds after it (the launcher's SIGTERM
+    once a follower left) exits 130 without a second line (CI saw 143 and "stopped: rank 1 ended")."""
+    import sys
+
+    code = ("import time; from mlxinfer.distributed import group as g\n"
+            "g._WORLD = g.World(group=None, rank=0, size=2, backend='ring', strategy='pipeline', timeout=60)\n"
+            "g._WORLD.sigint_at = time.monotonic() - {ago}\n"
+            "g.fail('rank 0 of 2 stopped: rank 1 ended or cannot be reached', 143)\n")
+    recent = subprocess.run([sys.executable, "-c", code.format(ago=2)], capture_output=True, text=True, timeout=60)
+    assert (recent.returncode, recent.stderr) == (130, "")
+    stale = subprocess.run([sys.executable, "-c", code.format(ago=60)], capture_output=True, text=True, timeout=60)
+    assert stale.returncode == 143 and stale.stderr.startswith("error: rank 0 of 2 stopped")
