@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class MlxinferError(Exception):
     """Bad input or environment: the message says what is wrong and how to fix it."""
@@ -49,3 +51,12 @@ class Terminated(KeyboardInterrupt):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # not \t or \n: "\ninterrupted" starts a fresh line
+
+
+def printable(text: str) -> str:
+    """Text from model files (names, licenses, error lines quoting them) with control characters shown as '?': an
+    ESC sequence in a config could clear the screen or retitle the terminal when printed raw."""
+    return _CONTROL.sub("?", text)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import sys
 
 import typer
@@ -310,12 +309,11 @@ def _traceback_if_debug() -> None:
             pass
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # not \t or \n: "\ninterrupted" starts a fresh line
-
-
 def _say(line: str) -> None:
     """One line on stderr; a closed or broken stderr is not worth a second error."""
-    line = _CONTROL.sub("?", line)  # an error may quote a model file: its ESC sequences must not reach the terminal
+    from ..errors import printable
+
+    line = printable(line)  # an error may quote a model file: its ESC sequences must not reach the terminal
     try:
         print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError):

@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import re
-
 from rich.console import Console
 
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """Text from model files (names, licenses, descriptions) with its control characters shown as '?': an ESC
-    sequence in a config could clear the screen or retitle the terminal when printed raw."""
-    return _CONTROL.sub("?", text)
 
 
 def format_bytes(n: float) -> str:

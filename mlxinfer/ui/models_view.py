@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .console_out import format_bytes, printable
+from ..errors import printable
+from .console_out import format_bytes
 
 
 def print_models(rows, default: str, user_file: Path) -> None:
