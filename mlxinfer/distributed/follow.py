@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .group import current
+from .group import current, sigint_ignored
 
 _EOF = -1  # length sent when the leader's input ended
 _CTRL_C = -2  # length sent when Ctrl-C interrupted the leader's prompt
@@ -148,7 +148,8 @@ def agree_cancel(turn, cancel: bool) -> bool:
     if _TURN["turn"] is not turn:  # the turn's first boundary: a repeated Ctrl-C only cancels, never raises
         _TURN["turn"] = turn
         try:
-            signal.signal(signal.SIGINT, _on_sigint)  # the chat loop puts its own handler back after the turn
+            if world.leader or not sigint_ignored():  # a background job's follower keeps ignoring Ctrl-C
+                signal.signal(signal.SIGINT, _on_sigint)  # the chat loop puts its own handler back after the turn
         except ValueError:  # not the main thread
             pass
     mine = [1 if cancel and world.leader else 0, 0 if world.leader else int(world.interrupted)]

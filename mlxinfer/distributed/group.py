@@ -38,7 +38,6 @@ class World:
     timeout: float
     plan: dict = field(default_factory=dict)   # what the loader did: strategy, stage layers, fallbacks
     interrupted: bool = False  # a follower got SIGINT: Ctrl-C went to mlx.launch's whole group (see follow.py)
-    sigint_at: Optional[float] = None  # when the watchdog last saw a SIGINT arrive (any rank; monotonic clock)
     watchdog: Optional["Watchdog"] = None
 
     @property
@@ -113,8 +112,10 @@ def setup(pipeline: bool = False) -> Optional[World]:
     if not world.leader:
         silence()
         # Ctrl-C in mlx.launch's terminal reaches every rank (they share its process group): rank 0 acts for all;
-        # a follower only notes it (it tells rank 0 that the launcher got it too).
-        signal.signal(signal.SIGINT, lambda _s, _f: setattr(world, "interrupted", True))
+        # a follower only notes it (it tells rank 0 that the launcher got it too). Started ignoring SIGINT (a
+        # script's background job), it keeps ignoring it, as rank 0's Python does.
+        if not sigint_ignored():
+            signal.signal(signal.SIGINT, lambda _s, _f: setattr(world, "interrupted", True))
     world.watchdog = Watchdog(world)
     _stop_on_signals(world)
     _WORLD = world
@@ -125,6 +126,15 @@ def setup(pipeline: bool = False) -> Optional[World]:
         seed = broadcast_int(int.from_bytes(os.urandom(4), "little") if world.leader else 0)
         mx.random.seed(seed)
     return world
+
+
+def sigint_ignored() -> bool:
+    """SIGINT was ignored when this process started (a non-interactive shell's ``&`` job): Ctrl-C in that
+    terminal is not for it, so no handler may take it back."""
+    try:
+        return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    except ValueError:
+        return False
 
 
 def silence() -> None:
@@ -179,8 +189,6 @@ class Watchdog:
             wait = min(1.0, self.world.timeout / 4)
             if self._signals is not None and select.select([self._signals], [], [], wait)[0]:
                 got = os.read(self._signals, 64)
-                if _SIGINT in got:
-                    self.world.sigint_at = time.monotonic()  # seen here even when the main thread is stuck in MLX
                 term = [b for b in got if b in _STOP_SIGNALS]
                 if term and stopped_at is None and self.on_signals:
                     stopped_at, signum = time.monotonic(), term[0]
@@ -225,7 +233,6 @@ def _launcher_pid() -> Optional[int]:
 
 _STOP_SIGNALS = {int(getattr(signal, n)) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)}  # not Ctrl-C: rank 0's
 _SIGINT = int(signal.SIGINT)
-_CTRL_C_WINDOW = 10.0  # seconds after a SIGINT during which a rank's end is counted as that Ctrl-C's (exit 130)
 _SIGNAL_GRACE = 3.0  # seconds the main thread has to handle a signal itself before the watchdog steps in
 
 
@@ -274,11 +281,9 @@ def fail(line: str, code: int = 1) -> None:
     if _FAILING:
         return
     _FAILING = True
-    if _WORLD is not None and (_WORLD.interrupted or (_WORLD.sigint_at is not None
-                                                      and time.monotonic() - _WORLD.sigint_at < _CTRL_C_WINDOW)):
-        # Ctrl-C ended this run (rank 0 said "interrupted", or got it and is stuck where MLX waits — a signal there
-        # can hang it; a follower got it from the launcher's terminal): what ends the process now (its peer gone,
-        # the launcher's SIGTERM) is a consequence of it.
+    if _WORLD is not None and _WORLD.interrupted:
+        # Ctrl-C ended this run (rank 0 said "interrupted"; a follower got it from the launcher's terminal): what
+        # ends the process now (its peer gone, the launcher's SIGTERM while it exits) is a consequence.
         os._exit(130)
     try:
         sys.stderr.write(f"error: {line}\n")

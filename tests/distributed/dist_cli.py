@@ -123,13 +123,19 @@ def descends(pid: int, ancestor: int) -> bool:
 
 
 class Terminal:
-    """A command with a pseudo-terminal of its own (its Ctrl-C goes to its process group only)."""
+    """A command with a pseudo-terminal of its own (its Ctrl-C goes to its process group only).
 
-    def __init__(self, argv: list[str], env: dict):
+    Ctrl-C is on by default, as in a user's terminal, whatever the test run inherited: a shell's background job
+    (CI started with ``&``) ignores SIGINT, every process it starts inherits that, and a Python started so never
+    installs its KeyboardInterrupt handler. ``sigint_ignored=True`` starts the command that way on purpose."""
+
+    def __init__(self, argv: list[str], env: dict, *, sigint_ignored: bool = False):
         import pty
+        import signal
 
         self.pid, self.fd = pty.fork()
         if self.pid == 0:
+            signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.SIG_DFL)
             os.execve(argv[0], argv, env)
         self.out = bytearray()
 
