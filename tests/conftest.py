@@ -7,14 +7,17 @@ points at a closed local port unless a test starts the fake Hub server.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
 _ROOT = Path(tempfile.mkdtemp(prefix="mlxinfer-tests-"))
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)  # one per run: none left in /tmp
 # One GGUF-import cache for the whole run (and for CI reruns on the same machine: import is deterministic).
 os.environ.setdefault("MLXINFER_CACHE", str(Path(tempfile.gettempdir()) / "mlxinfer-test-cache"))
 for var in ("XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_DATA_HOME"):

@@ -4,6 +4,8 @@ a reply stops at its end (it ran past the context before)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import mlxinfer
@@ -35,16 +37,23 @@ def test_bad_model_and_params_are_one_line(smollm2):
         mlxinfer.generate(smollm2, "hi", GREEDY, stop=[""])
 
 
-def test_the_context_bounds_prompt_and_reply(smollm2):
-    context = smollm2.context_length
-    words = chat_prompt(smollm2, [{"role": "user", "content": "hello " * (context + 100)}])
+@pytest.mark.parametrize("cap", [None, 2048], ids=["model", "registry-cap"])
+def test_the_context_bounds_prompt_and_reply(smollm2, cap):
+    """A prompt must fit the context and the reply stops at its end: the model's own (8192) and a models.toml
+    ``context`` cap below it. The reply's bound runs under the cap only (a 2043-token prompt rather than 8187:
+    35 s of the suite; attention over long contexts has its own kernel tests)."""
+    loaded = replace(smollm2, spec=replace(smollm2.spec, context=cap))
+    context = loaded.context_length
+    assert context == (cap or 8192)
+    words = chat_prompt(loaded, [{"role": "user", "content": "hello " * (context + 100)}])
     with pytest.raises(InvalidParameter, match=rf"the prompt has {len(words)} tokens and the model's context holds "
                                                rf"{context}"):
-        mlxinfer.generate(smollm2, words, GREEDY)
-    near = words[: context - 5]
-    last = list(mlxinfer.stream_generate(smollm2, near, SamplingParams(temperature=0, max_tokens=300),
-                                         ignore_eos=True))[-1]
-    assert last.stats.generation_tokens == 5 and last.finish_reason == "length"
+        mlxinfer.generate(loaded, words, GREEDY)
+    if cap is not None:
+        near = words[: context - 5]
+        last = list(mlxinfer.stream_generate(loaded, near, SamplingParams(temperature=0, max_tokens=300),
+                                             ignore_eos=True))[-1]
+        assert last.stats.generation_tokens == 5 and last.finish_reason == "length"
 
 
 def test_one_stop_string_is_one_stop(smollm2):
