@@ -221,13 +221,29 @@ def main(argv: list[str] | None = None) -> int:
     """Run the app. Every user error is one line on stderr with exit code 2, usage errors too (click's message and
     the command's --help); Ctrl-C exits 130, SIGTERM/SIGHUP 128 + signum; a broken pipe exits quietly. No
     traceback unless MLXINFER_DEBUG=1 (then it comes first, the exit code unchanged)."""
-    from ..errors import MlxinferError, Terminated
+    from ..errors import Terminated
 
     for name in ("stdout", "stderr"):
         if getattr(sys, name) is None:  # started with the descriptor closed
             setattr(sys, name, _ClosedStream())
     _install_signal_handlers()
     raw_argv = list(sys.argv[1:] if argv is None else argv)
+    usage_errors = _click_exceptions()  # here, not in the except clause: a signal there would escape every handler
+    try:
+        return _run(raw_argv, usage_errors)
+    except Terminated as e:  # SIGTERM/SIGHUP while an error was being reported (mlx.launch ends the other ranks so)
+        if not _follower_rank():
+            _say("\nterminated")
+        return e.exit_code
+    except KeyboardInterrupt:
+        _say("\ninterrupted")
+        return 130
+
+
+def _run(raw_argv: list[str], usage_errors: tuple[type, ...]) -> int:
+    from ..errors import MlxinferError, Terminated
+
+    argv = raw_argv
     try:
         _check_argv(raw_argv)
         argv = _with_default_command(raw_argv)
@@ -245,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"error: {e}")
         return e.exit_code
     except Terminated as e:
-        _say("\nterminated")
+        if not _follower_rank():  # under mlx.launch: the launcher ending a rank after another's error
+            _say("\nterminated")
         return e.exit_code
     except KeyboardInterrupt:
         from ..distributed.group import note_interrupted
@@ -260,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except (typer.Abort, EOFError):
         return 1
-    except _click_exceptions() as e:
+    except usage_errors as e:
         _give_usage_context(e, argv)
         if not _follower_rank():  # under mlx.launch every rank parses the same line: rank 0 alone says it
             _say(f"error: {_usage_line(e)}")  # one line, like every other error (click's own is four)

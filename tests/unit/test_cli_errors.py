@@ -124,3 +124,30 @@ def test_no_command_means_chat():
                           capture_output=True, text=True, timeout=180, env=os.environ)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+_SIGNAL_IN_HANDLER = """
+import os, sys
+from mlxinfer.cli import main as m
+from mlxinfer.errors import Terminated
+
+def signal_arrives(e, argv):  # what the launcher's SIGTERM did while rank 1 reported the same usage error
+    raise Terminated(15)
+
+m._give_usage_context = signal_arrives
+sys.exit(m.main(["generate", "smollm2", "-p", "hi", "--bogus"]))
+"""
+
+
+@pytest.mark.parametrize("rank", [None, "0", "1"])
+def test_a_signal_while_an_error_is_reported_is_one_line_or_none(rank):
+    """Under mlx.launch every rank refuses a bad option; rank 0 exits first and the launcher SIGTERMs the others,
+    whose handler then raised Terminated inside the except clause: a 60-line traceback (2 in 8 runs). It ends
+    with 143 and "terminated" on rank 0 or alone, nothing on a follower (rank 0 speaks for all)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "MLX_HOSTFILE")}
+    if rank is not None:
+        env.update(MLX_RANK=rank, MLX_HOSTFILE="/nonexistent/hosts.json")
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_IN_HANDLER], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr.strip() == ("" if rank == "1" else "terminated"), proc.stderr
