@@ -1,4 +1,5 @@
 // Portable kernels (any CPU; the compiler may auto-vectorise the fixed-width loops).
+#include <algorithm>
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
@@ -77,6 +78,10 @@ const KernelSet& select_kernels() {
   static const KernelSet chosen = [] {
     const char* force = std::getenv("MLXINFER_ISA");
     std::string want = force ? force : "";
+    // A name that is no set (a typo) is ignored: the best set, as unset (mlxinfer.native.isa_problem() says so).
+    static const char* const kNames[] = {"generic", "avx2float", "avx2", "avx2i8", "avx512", "avx512vnni",
+                                         "avx512vnnii8", "avx512amx", "neon"};
+    if (std::none_of(std::begin(kNames), std::end(kNames), [&](const char* n) { return want == n; })) want.clear();
 #if defined(__x86_64__) || defined(_M_X64)
     __builtin_cpu_init();
     const bool has512 = __builtin_cpu_supports("avx512f");

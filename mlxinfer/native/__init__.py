@@ -207,9 +207,40 @@ def tiled_problem() -> Optional[str]:
     return f"MLXINFER_TILED={value!r} is not 0 or 1 and is ignored (tiles stay on); set it to 0 or 1, or unset it"
 
 
+# MLXINFER_ISA, as select_kernels() (cpu_kernels/src/qmm_generic.cpp) reads it; "neon" names arm64's one set
+ISA_NAMES = ("generic", "avx2float", "avx2", "avx2i8", "avx512", "avx512vnni", "avx512vnnii8", "avx512amx", "neon")
+
+
+def isa_problem() -> Optional[str]:
+    """One line when MLXINFER_ISA names no kernel set, or one this CPU cannot run (the kernels then pick another
+    without a word: a typo such as avx512-vnni ran AVX2), else None."""
+    value = os.environ.get("MLXINFER_ISA", "")
+    if value == "":
+        return None
+    if value not in ISA_NAMES:
+        return (f"MLXINFER_ISA={value!r} is not a kernel set and is ignored; set one of {', '.join(ISA_NAMES)}, "
+                "or unset it (the best set this CPU runs)")
+    module = _load()
+    if module is not None and _base_isa(module) != value:
+        why = "this CPU has no AMX or MLXINFER_PREFILL asks for another GEMM" if value == "avx512amx" else \
+            "this CPU cannot run it"
+        return f"MLXINFER_ISA={value} is not what runs ({why}): the kernels use {_base_isa(module)}"
+    return None
+
+
+def threads_problem() -> Optional[str]:
+    value = os.environ.get("MLXINFER_THREADS", "").strip()
+    if value == "" or (value.isdigit() and int(value) > 0):
+        return None
+    return (f"MLXINFER_THREADS={value!r} is not a positive whole number and is ignored (all cores are used); "
+            "set it to 1, 2, ... or unset it")
+
+
 def settings_problem() -> Optional[str]:
-    """prefill_problem(), decode_problem() and tiled_problem() as one line, None when the settings are fine."""
-    return "; ".join(line for line in (prefill_problem(), decode_problem(), tiled_problem()) if line) or None
+    """The native kernels' environment settings (MLXINFER_ISA, _PREFILL, _DECODE, _TILED, _THREADS) as one line,
+    None when they are fine."""
+    checks = (isa_problem(), prefill_problem(), decode_problem(), tiled_problem(), threads_problem())
+    return "; ".join(line for line in checks if line) or None
 
 
 def _switch_on(setter: Callable[[bool], bool]) -> bool:

@@ -273,3 +273,26 @@ def test_report_and_cli_name_a_bad_prefill_value(native_ext, monkeypatch):
     out2 = io.StringIO()
     warn_native_kernels(loaded, "builtin", Console(file=out2))  # kernels off on request: nothing to warn about
     assert out2.getvalue() == ""
+
+
+_ISA_LINE = "from mlxinfer import native; print(native.extension().isa(), native.settings_problem())"
+
+
+@pytest.mark.parametrize("isa,threads,said", [
+    ("avx512-vnni", "2", "MLXINFER_ISA='avx512-vnni' is not a kernel set and is ignored"),
+    ("neon", "2", "MLXINFER_ISA=neon is not what runs (this CPU cannot run it)"),
+    (None, "abc", "MLXINFER_THREADS='abc' is not a positive whole number and is ignored"),
+    (None, "0", "MLXINFER_THREADS='0' is not a positive whole number"),
+])
+def test_an_isa_or_thread_count_the_kernels_cannot_take_is_named(native_ext, isa, threads, said):
+    """A typo in MLXINFER_ISA ran AVX2 on an AVX-512 VNNI CPU without a word; now the best set runs, as unset, and
+    the warning line names the value (as for MLXINFER_PREFILL / _DECODE / _TILED); so for MLXINFER_THREADS."""
+    if isa == "neon" and native_ext.isa().startswith("neon"):
+        pytest.skip("an arm64 CPU runs neon")
+    best = run_under_isa(_ISA_LINE, None, timeout=120).stdout.split(" ", 1)[0]
+    proc = run_under_isa(_ISA_LINE, isa, threads=threads, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, problem = proc.stdout.strip().split(" ", 1)
+    assert problem.startswith(said), problem
+    if isa == "avx512-vnni" or threads != "2":
+        assert got == best
