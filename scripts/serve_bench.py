@@ -43,7 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+try:
+    import httpx
+except ImportError:  # a test extra, not a dependency of mlxinfer
+    sys.exit("error: serve_bench.py needs httpx: pip install -e '.[test]' (make test installs it)")
 
 WORDS = ("river stone light garden window paper music silver morning forest city ocean story winter bridge "
          "letter market mountain candle harbor").split()

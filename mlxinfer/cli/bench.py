@@ -37,13 +37,13 @@ def bench_cmd(
         "--output", "-o", help="md | csv | json | jsonl to stdout, or a file path ending in one of those."
     )] = None,
     compare: Annotated[Optional[Path], typer.Option(
-        "--compare", help="A saved -o json run: print ratios of this run against it."
+        "--compare", help="A saved -o json or jsonl run: print ratios of this run against it."
     )] = None,
     peer: Annotated[Optional[str], typer.Option(
         "--peer", help="Also run the same workload through another engine (mlx-lm) and print ratios."
     )] = None,
     bandwidth: Annotated[Optional[float], typer.Option(
-        "--bandwidth", help="Peak memory bandwidth in GB/s (default: Apple's table, or a cached copy probe)."
+        "--bandwidth", help="Peak memory bandwidth in GB/s (default: Apple's table, else a cached read probe)."
     )] = None,
     kernels: o.Kernels = "auto",
     kv_bits: o.KvBits = None,
@@ -72,6 +72,7 @@ def bench_cmd(
     from ..bench import report
     from ..bench.runner import BenchOptions, run_bench
     from ..bench.workload import parse_int_list
+    from ..errors import InvalidParameter
     from ..registry import Registry
     from ..ui.bench_view import BenchProgress, print_bench
 
@@ -103,6 +104,8 @@ def bench_cmd(
         return report.render(records, fmt, baseline, llama=llama_bench, csv_all=csv_all)
 
     fmt, out_path = report.output_target(output)
+    if csv_all and fmt != "csv":
+        raise InvalidParameter("--csv-all shapes CSV output: add -o csv (or -o FILE.csv)")
     baseline = report.load_baseline(compare) if compare is not None else None
     from ..distributed import enter
 

@@ -34,7 +34,7 @@ def serve_cmd(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds a request may take, queue included "
                                            "(0 = no limit).")] = 600.0,
     grace: Annotated[float, typer.Option("--grace", help="Seconds running requests get to finish after "
-                                         "SIGTERM.")] = 30.0,
+                                         "SIGTERM, SIGINT or SIGHUP.")] = 30.0,
     prefix_cache_mb: Annotated[int, typer.Option("--prefix-cache-mb", help="Memory for the prefix cache "
                                                  "(0 = off).")] = DEFAULT_PREFIX_MB,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens prefilled between two "

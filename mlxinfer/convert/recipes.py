@@ -186,6 +186,10 @@ def load_recipe(name_or_path: str) -> Recipe:
     if name_or_path in BUILTIN:
         return BUILTIN[name_or_path]
     path = Path(name_or_path).expanduser()
+    if not path.is_file() and (path.suffix == ".toml" or "/" in name_or_path):
+        what = "is a directory, not a rules file" if path.is_dir() else "does not exist"
+        raise InvalidParameter(f"the recipe file {name_or_path} {what}",
+                               hint=f"give the path of a .toml rules file, or one of {', '.join(BUILTIN)}")
     if not path.is_file():
         raise InvalidParameter(f"unknown recipe '{name_or_path}'",
                                hint=f"use one of {', '.join(BUILTIN)} or the path of a .toml rules file")

@@ -45,6 +45,8 @@ def no_loading(monkeypatch):
     (["--kv-bits", "3"], "invalid --kv-bits 3: use 4 or 8"),
     (["--max-kv-size", "9000"], "invalid --max-kv-size 9000: must be between 32 and 8192"),
     (["--kv-bits", "8", "-b", "2"], "--kv-bits / --max-kv-size apply to single-stream tests"),
+    (["--csv-all"], "--csv-all shapes CSV output: add -o csv"),  # was ignored: a Markdown table came out
+    (["--csv-all", "-o", "json"], "--csv-all shapes CSV output"),
 ])
 def test_bad_input_is_one_clear_error_before_any_run(args, needle, capsys, no_loading, smollm2_dir):
     assert main(["bench", *args]) == 2

@@ -113,6 +113,7 @@ def test_python_files_are_not_copied(llama_src, tmp_path):
     (dict(mode="mxfp4", bits=8), "mxfp4.*needs 4 bits"),
     (dict(mode="nonsense"), "not supported by this MLX"),
     (dict(recipe="mixed_9_9"), "unknown recipe"),
+    (dict(recipe="rules/nope.toml"), "the recipe file rules/nope.toml does not exist"),  # was "unknown recipe"
     (dict(bits=4, dequantize=True), "cannot be combined"),
     (dict(dequantize=True, requantize=True), "--requantize cannot be combined with --dequantize"),
     (dict(bits=8, revision="main"), "--revision main applies to Hub sources only"),
