@@ -175,10 +175,16 @@ def _follower_rank() -> bool:
 
 def _usage_line(e: Exception) -> str:
     """A click usage error as one line: its message (click's "Did you mean ...?" included) and where to look."""
+    name, possible = getattr(e, "option_name", None), getattr(e, "possibilities", None)
     try:
         message = " ".join(e.format_message().split())
     except Exception:  # noqa: BLE001 - a click exception without the method
         message = " ".join(str(e).split())
+    if name and possible is not None:  # click suggests at 60% likeness: `bench --temp` got "--help"
+        import difflib
+
+        near = [p for p in possible if p != "--help" and difflib.SequenceMatcher(None, name, p).ratio() >= 0.8]
+        message = f"no such option: {name}" + (f"; did you mean {' or '.join(sorted(near))}?" if near else "")
     if len(message) > 1 and message[0].isupper() and message[1].islower():
         message = message[0].lower() + message[1:]  # "No such option" -> "no such option", as our own lines read
     message = message.rstrip(".")

@@ -151,3 +151,14 @@ def test_a_signal_while_an_error_is_reported_is_one_line_or_none(rank):
                           timeout=120)
     assert proc.returncode == 143, proc.stderr
     assert proc.stderr.strip() == ("" if rank == "1" else "terminated"), proc.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (["bench", "smollm2", "--temp", "1"], "error: no such option: --temp (see: mlxinfer bench --help)"),  # not --help
+    (["serve", "--system", "x"], "error: no such option: --system (see: mlxinfer serve --help)"),  # not --temp
+    (["generate", "smollm2", "--tmep", "0"], "error: no such option: --tmep; did you mean --temp? (see: "),
+    (["generate", "smollm2", "--sytem", "hi"], "error: no such option: --sytem; did you mean --system? (see: "),
+])
+def test_an_unknown_option_suggests_only_a_likely_one(args, line):
+    proc = run(*args)
+    assert proc.returncode == 2 and proc.stderr.startswith(line) and proc.stderr.count("\n") == 1, proc.stderr
