@@ -169,7 +169,7 @@ def chat(
             app.world = world
             follow.coordinate_ctrl_c()  # Ctrl-C on rank 0 stops the reply on every rank at the same token
             app.reader = follow.LeaderReader(app.reader) if world.leader else follow.FollowerReader()
-            app.view.notice(describe(world))
+            app.view.notice(f"distributed: {describe(world)}")  # as generate, bench and serve say it
         if fork is not None:
             if app.save(name, quiet=True):
                 app.view.notice(f"continuing a copy of session '{session}' as '{name}' (saved after every reply)")

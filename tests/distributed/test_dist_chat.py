@@ -36,7 +36,7 @@ def test_piped_chat_matches_one_process(tiny, strategy):
     replies = ref.stdout.splitlines()
     assert len(replies) >= 5
     line = distributed_line(proc.stderr)
-    assert f"{strategy} parallel over 2 ranks (ring), rank 0" in line
+    assert line.startswith(f"distributed: {strategy} parallel over 2 ranks (ring), rank 0"), line
     for notice in ("set max_tokens = 5", "set seed = 11"):
         assert proc.stderr.count(notice) == 1, proc.stderr
 
