@@ -9,6 +9,8 @@
   decoding stream (7 prompts arriving while 1 stream decodes stall it once for all 7, not 7 times for the same
   work), capped at ``ROUND_MAX``; ``IDLE_PREFILL`` tokens per round when no stream decodes (cancellations and
   deadlines are answered between rounds).
+* Single prompts take a round's budget shortest first: a short request is never kept waiting behind a long
+  prompt's whole prefill; the long one goes on with what the round leaves.
 * Prompts admitted together that start alike (one system prompt) first get that start prefilled once and stored
   in the prefix cache (``prefill_shared_start``), where their admissions then find it.
 """
@@ -57,7 +59,9 @@ class Prefiller:
         if self.group is not None:
             budget -= self._group_step(budget, done)
         grouped = self.group.rows if self.group is not None else ()
-        for seq in list(self.seqs):
+        # Shortest first (ties in admission order): a short request arriving while a long prompt prefills is read
+        # in the next round, not after all of it (an editor's "hi" behind a 5574-token prompt waited 19 s).
+        for seq in sorted(self.seqs, key=lambda q: len(q.todo)):
             if budget <= 0:
                 break
             if seq in grouped:
