@@ -68,6 +68,9 @@ class Session:
         make_cache(loaded.model, self.kv)  # refused now, not at the first message, when the model cannot take it
         self._cache: list | None = None
         self._cache_tokens: list[int] = []
+        # A message dropped before its reply began: the cache still holds what was read of it (reused when it is
+        # sent again), which the conversation does not take.
+        self._dropped_tail = False
 
     # ----- settings -----
     @property
@@ -78,7 +81,9 @@ class Session:
     def context_used(self) -> int:
         """Tokens the conversation takes: what the KV cache holds, or, before the cache is filled (a resumed
         session, after a failed turn), what the history will take when it is prefilled."""
-        if self._cache_tokens or not self.messages:
+        if not self.messages:
+            return 0 if self._dropped_tail else len(self._cache_tokens)
+        if self._cache_tokens and not self._dropped_tail:
             return len(self._cache_tokens)
         try:
             return len(self.render())
@@ -159,6 +164,7 @@ class Session:
 
         if self._cache is None:
             self._cache, self._cache_tokens = make_cache(self.loaded.model, self.kv), []
+        self._dropped_tail = False
         n = min(common_prefix(self._cache_tokens, tokens), max(len(tokens) - 1, 0))
         if n < len(self._cache_tokens):
             if can_trim_prompt_cache(self._cache) and self._trim_layers(n):
@@ -271,6 +277,7 @@ class Session:
                 self.messages.pop()
             if turn.dropped:
                 self.sync()  # the cache held the shortened history: keep only what the restored one shares
+            self._dropped_tail = True
             turn.discarded = True
             return
         reply = {"role": "assistant", "content": turn.text}

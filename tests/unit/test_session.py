@@ -164,6 +164,7 @@ def test_cancel_before_any_text_drops_the_message(tiny):
     turn.cancel()
     run(turn)
     assert turn.discarded and [m["content"] for m in s.messages][0] == "First" and len(s.messages) == 2
+    assert s.context_used == len(s.render())  # the conversation, not what the cache read of "Second"
 
 
 def test_cancel_before_any_text_gives_back_the_turns_dropped_for_the_message(tiny):
@@ -294,8 +295,12 @@ def test_cancel_during_prefill_stops_at_a_chunk_boundary(tiny):
     run(turn)
     assert seen == [0, CHAT_PREFILL_STEP] and turn.stats is None  # stopped after the first chunk
     assert turn.discarded and s.messages == []
-    assert s.context_used == CHAT_PREFILL_STEP  # the chunk already computed stays usable
+    # The chunk already computed stays in the cache, to be reused if the message is sent again, but the
+    # conversation takes none of it (/show said "messages 0" and "context used 2176/8192").
+    assert len(s._cache_tokens) == CHAT_PREFILL_STEP and s.context_used == 0
     assert_cache_consistent(s)
+    again = s.send("word " * (2 * CHAT_PREFILL_STEP))
+    assert again.reused == CHAT_PREFILL_STEP
 
 
 class Flaky:
