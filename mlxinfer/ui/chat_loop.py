@@ -87,6 +87,7 @@ class ChatApp:
         self._load_model = load_model
         self.typed_ahead = ""              # keys typed while the last reply streamed (Enter included), not read yet
         self.world = None                  # under mlx.launch (mlxinfer.distributed.World): rank 0 leads, others follow
+        self._window_told = False          # --max-kv-size: said once that the window is full and rotates
 
     # ----- models -----
     def load_model(self, arg: str):
@@ -159,10 +160,16 @@ class ChatApp:
             self.view.error(f"generation failed: {failure_line(failure)}{undone}")
         if turn.discarded:
             self.view.notice("stopped before the reply began; the message was dropped (Up arrow brings it back)")
+        window = s.kv.max_size
         if turn.stats is not None and self.show_stats and turn.error is None:
             from .console_out import stats_text
 
-            self.view.stats(stats_text(turn.stats, context=(s.context_used, s.context_limit)))
+            self.view.stats(stats_text(turn.stats, context=(s.context_used, s.context_limit),
+                                       window=window if window and s.context_used > window else None))
+        if window and s.context_used > window and not self._window_told:
+            self._window_told = True
+            self.view.notice(f"the KV cache window is full: the model now sees the last {window} tokens "
+                             "(--max-kv-size, /set max_kv_size; the first 4 stay); older ones drop as the chat goes on")
         if turn.stats is not None and turn.stats.finish_reason == "length" and turn.max_tokens < s.params.max_tokens:
             self.view.notice("the reply reached the context limit (/set context, /clear or /undo make room)")
         if self.autosave and self.session_name:

@@ -14,8 +14,9 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def stats_text(stats, context: tuple[int, int] | None = None) -> str:
-    """'42 tokens 31.2 tok/s · prompt 12 tokens 150.3 tok/s · TTFT 0.08 s · context 120/8192 · peak 210 MB'."""
+def stats_text(stats, context: tuple[int, int] | None = None, window: int | None = None) -> str:
+    """'42 tokens 31.2 tok/s · prompt 12 tokens 150.3 tok/s · TTFT 0.08 s · context 120/8192 · peak 210 MB';
+    ``window``: a rotating KV cache's size, once the conversation is longer ('context 154/8192, window 64')."""
     def n(count: int, word: str) -> str:
         return f"{count} {word}" + ("" if count == 1 else "s")
 
@@ -25,7 +26,7 @@ def stats_text(stats, context: tuple[int, int] | None = None) -> str:
         f"TTFT {stats.ttft:.2f} s",
     ]
     if context:
-        parts.append(f"context {context[0]}/{context[1]}")
+        parts.append(f"context {context[0]}/{context[1]}" + (f", window {window}" if window else ""))
     parts.append(f"peak {format_bytes(stats.peak_memory)}")
     if stats.finish_reason and stats.finish_reason != "stop":
         parts.append(stats.finish_reason)

@@ -279,6 +279,8 @@ def test_cli_chat_session_past_the_cap_then_resumed_with_another_cache(tmp_path)
     shown = p.stdout + p.stderr  # plain mode: replies on stdout, tables and notices on stderr
     used = int(re.search(r"context used\s+(\d+)/", shown)[1])
     assert used > 32 and re.search(r"KV cache\s+at most 32 tokens \(rotating\)", shown)
+    # Said once when the window first rotates (the chat went on without a word; the stats line: below).
+    assert shown.count("the KV cache window is full: the model now sees the last 32 tokens") == 1, shown
     saved = json.loads((tmp_path / "data" / "mlxinfer" / "sessions" / "kvs.json").read_text())
     assert saved["settings"]["max_kv_size"] == 32 and len(saved["messages"]) == 4
 
@@ -289,3 +291,15 @@ def test_cli_chat_session_past_the_cap_then_resumed_with_another_cache(tmp_path)
     saved = json.loads((tmp_path / "data" / "mlxinfer" / "sessions" / "kvs.json").read_text())
     assert saved["settings"]["kv_bits"] == 8 and saved["settings"]["max_kv_size"] is None
     assert len(saved["messages"]) == 6
+
+
+def test_the_stats_line_names_a_full_window():
+    """--max-kv-size 64: the stats line climbed 'context 65/8192' ... '154/8192' with no sign of the window."""
+    from types import SimpleNamespace
+
+    from mlxinfer.ui.console_out import stats_text
+
+    stats = SimpleNamespace(generation_tokens=5, generation_tps=10.0, prompt_tokens=3, prompt_tps=30.0, ttft=0.1,
+                            peak_memory=2**20, finish_reason="stop")
+    assert " · context 154/8192, window 64 · " in stats_text(stats, context=(154, 8192), window=64)
+    assert " · context 40/8192 · " in stats_text(stats, context=(40, 8192))
