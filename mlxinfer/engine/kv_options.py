@@ -57,7 +57,7 @@ class KVOptions:
         if not _is_int(self.quantized_start) or self.quantized_start < 0:
             raise InvalidParameter(f"invalid quantized KV start {self.quantized_start!r}: must be 0 or more")
         if self.max_size is not None:
-            top = f"{context_length} (the model's context)" if context_length else "the model's context"
+            top = f"{context_length}, the model's context" if context_length else "the model's context"
             if not _is_int(self.max_size) or self.max_size < MIN_KV_SIZE or (
                     context_length is not None and self.max_size > context_length):
                 raise InvalidParameter(f"invalid {size_name} {self.max_size!r}: must be between {MIN_KV_SIZE} "

@@ -25,7 +25,7 @@ MIN_CONTEXT = _settings.MIN_CONTEXT
 # What ``/set NAME VALUE`` accepts: SamplingParams' fields ("temp" for temperature), the session's "context" and
 # the KV-cache options (a change starts a new cache: the history is prefilled again on the next turn).
 KV_SETTINGS = ("kv_bits", "max_kv_size")
-SETTING_NAMES = _settings.setting_names() + KV_SETTINGS
+SETTING_NAMES = _settings.setting_names() + KV_SETTINGS + ("think",)
 
 
 class SessionError(MlxinferError):
@@ -109,6 +109,9 @@ class Session:
         key = name.strip().lower().replace("-", "_")
         if key in KV_SETTINGS:
             return self._set_kv(key, value)
+        if key == "think":  # /show lists it with the settings; /think is its own command too
+            self.set_think(str(value).strip().lower())
+            return "think"
         field = _settings.field_for(name)
         if field is None:
             import difflib

@@ -71,17 +71,20 @@ def _set(app, arg):
         app.view.info(f"set {field} = {value or 'off'}; KV cache: {kv_cache_line(app.session)}"
                       + (" (the conversation is prefilled again on the next message)" if again else ""))
         return
-    shown = app.session.context_limit if field == "context" else getattr(app.session.params, field)
-    app.view.info(f"set {field} = {'random' if field == 'seed' and shown is None else shown}")  # as /show says
+    shown = app.session.context_limit if field == "context" else app.session.think if field == "think" else \
+        getattr(app.session.params, field)
+    app.view.info(f"set {field} = {_shown(shown)}")  # as /show says
+
+
+def _shown(value) -> str:
+    """A setting's value as /show and /set print it: 2 (not 2.0), 0.7, random (no seed)."""
+    if value is None:
+        return "random"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _settings_rows(s: Session) -> list[tuple[str, str]]:
-    def shown(value):
-        if value is None:
-            return "random"
-        return f"{value:g}" if isinstance(value, float) else str(value)
-
-    rows = [(name, shown(value)) for name, value in s.params.as_dict().items()]
+    rows = [(name, _shown(value)) for name, value in s.params.as_dict().items()]
     kv = [(name, "off" if value is None else str(value)) for name, value in s.kv.as_dict().items()
           if name in KV_SETTINGS]
     return rows + [("context", str(s.context_limit)), ("think", s.think)] + kv
@@ -182,7 +185,9 @@ def _model(app, arg):
         app.view.info(f"model: {app.session.loaded.name}; switch with /model ALIAS "
                       f"(aliases: {', '.join(_aliases(app))})")
         return
-    app.switch_model(arg.strip())
+    if not app.switch_model(arg.strip()):
+        app.view.info(f"already using {app.session.loaded.name}")
+        return
     app.view.info(f"switched to {app.session.loaded.name}; the conversation continues "
                   f"({len(app.session.messages)} messages)")
 

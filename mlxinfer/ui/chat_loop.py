@@ -90,15 +90,21 @@ class ChatApp:
         self._window_told = False          # --max-kv-size: said once that the window is full and rotates
 
     # ----- models -----
-    def load_model(self, arg: str):
+    def resolve(self, arg: str):
         from ..registry import Registry
-        from .progress import load_model
 
         self.registry = self.registry or Registry.load()
-        spec = self.registry.resolve(arg)
-        return (self._load_model or load_model)(spec, kernels=self.kernels)
+        return self.registry.resolve(arg)
 
-    def switch_model(self, arg: str) -> None:
+    def load_model(self, arg: str):
+        from .progress import load_model
+
+        return (self._load_model or load_model)(self.resolve(arg), kernels=self.kernels)
+
+    def switch_model(self, arg: str) -> bool:
+        """Load ``arg`` and go on with it; False (nothing done) when it is the model in use."""
+        if self.resolve(arg) == self.session.loaded.spec:  # it was hashed, loaded and the header drawn again
+            return False
         loaded = self.load_model(arg)
         old = self.session.loaded
         self.session.switch_model(loaded)
@@ -111,6 +117,7 @@ class ChatApp:
         except Exception:  # noqa: BLE001 - freeing memory is best effort
             pass
         self.view.header(loaded, self.session)
+        return True
 
     # ----- turns -----
     def run_turn(self, start: Callable[[], Turn]) -> Turn | None:

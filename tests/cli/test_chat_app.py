@@ -53,12 +53,12 @@ def run_chat(smollm2, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_commands_through_the_loop(run_chat):
+def test_commands_through_the_loop(run_chat, smollm2_dir):
     app, out, err, loads = run_chat([
         "/help", "/system Answer in one short sentence.", "/system", "What is the capital of France?",
-        "/think hide", "/think maybe", "/stats off", "/stats", "/stats loud", "/copy", "/model smollm2",
-        "/show", "/sessions", "/load nothing-here", "/save", "/retry", KeyboardInterrupt(), "/clear", "/undo",
-        "/retry", "/exit", "never read",
+        "/think hide", "/think maybe", "/stats off", "/stats", "/stats loud", "/copy",
+        "/model smollm2", f"/model {smollm2_dir}", "/show", "/sessions", "/load nothing-here", "/save", "/retry",
+        KeyboardInterrupt(), "/clear", "/undo", "/retry", "/exit", "never read",
     ])
     assert "Paris" in out and out.count("Paris") == 2  # the reply and its /retry
     assert "/model [ALIAS]" in err and "switch model" in err
@@ -66,7 +66,8 @@ def test_commands_through_the_loop(run_chat):
     assert "think hide" in err and "invalid think mode 'maybe'" in err
     assert "stats line off" in err and "stats line on" in err and "invalid value 'loud' for /stats" in err
     assert "no clipboard here" in err
-    assert loads == ["smollm2"] and "switched to smollm2; the conversation continues (2 messages)" in err
+    assert "already using smollm2" in err  # the model in use is not loaded again
+    assert loads == [str(smollm2_dir)] and "switched to smollm2; the conversation continues (2 messages)" in err
     assert "messages      2" in err  # /show after the switch: the conversation was kept
     assert "no saved sessions yet" in err and "no saved session 'nothing-here'" in err
     assert "usage: /save NAME" in err
@@ -181,7 +182,7 @@ def test_a_save_is_not_cut_by_sigterm():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_model_switch_frees_the_old_model(monkeypatch, tmp_path):
+def test_model_switch_frees_the_old_model(monkeypatch, tmp_path, smollm2_dir):
     """The chat command's own frame kept the first model alive: after /model the header said 187.6 MB in use for
     a 93.8 MB model, and a large model would have stayed twice in memory."""
     import gc
@@ -203,6 +204,15 @@ def test_model_switch_frees_the_old_model(monkeypatch, tmp_path):
         freed.append(old() is None)
 
     monkeypatch.setattr(chat_loop.ChatApp, "switch_model", watched)
-    monkeypatch.setattr("sys.stdin", io.StringIO("/model smollm2\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/model {smollm2_dir}\n"))  # (not the alias in use: a no-op)
     assert main(["chat", "--temp", "0", "-n", "3"]) == 0
     assert freed == [True]
+
+
+def test_set_speaks_as_show_does(run_chat):
+    """/show lists think with the settings, but /set think off was an unknown setting; /set temp 2 said 2.0 where
+    /show says 2; the max_kv_size range came with two brackets in a row."""
+    app, out, err, loads = run_chat(["/set think off", "/set temp 2", "/set max_kv_size 2", "/show", "/exit"])
+    assert "set think = off" in err and app.session.think == "off"
+    assert "set temperature = 2\n" in err and "set temperature = 2.0" not in err
+    assert "must be between 32 and 8192, the model's context (leave it off" in err
