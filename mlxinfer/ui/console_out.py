@@ -21,7 +21,9 @@ def stats_text(stats, context: tuple[int, int] | None = None, window: int | None
         return f"{count} {word}" + ("" if count == 1 else "s")
 
     parts = [
-        f"{n(stats.generation_tokens, 'token')} {stats.generation_tps:.1f} tok/s",
+        # one token has no decode rate (it is timed between tokens): "1 token 0.0 tok/s" said otherwise
+        n(stats.generation_tokens, "token") + (f" {stats.generation_tps:.1f} tok/s" if stats.generation_tokens > 1
+                                               else ""),
         f"prompt {n(stats.prompt_tokens, 'token')} {stats.prompt_tps:.1f} tok/s",
         f"TTFT {stats.ttft:.2f} s",
     ]

@@ -303,3 +303,5 @@ def test_the_stats_line_names_a_full_window():
                             peak_memory=2**20, finish_reason="stop")
     assert " · context 154/8192, window 64 · " in stats_text(stats, context=(154, 8192), window=64)
     assert " · context 40/8192 · " in stats_text(stats, context=(40, 8192))
+    one = SimpleNamespace(**{**vars(stats), "generation_tokens": 1, "generation_tps": 0.0})
+    assert stats_text(one).startswith("1 token · prompt 3 tokens 30.0 tok/s")  # not "1 token 0.0 tok/s"
