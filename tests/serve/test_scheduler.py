@@ -295,6 +295,15 @@ def test_gemma_sliding_layers_batch_through_the_one_op_layers(tmp_path, smollm2_
     assert out == [_alone(gemma, p, n) for p in prompts]
 
 
+async def _reply(ticket: Ticket) -> str:
+    """A ticket's text pieces until its "done" event."""
+    pieces = []
+    while (event := await asyncio.wait_for(ticket.queue.get(), 120))[0] == "text":
+        pieces.append(event[1])
+    assert event[0] == "done", event
+    return "".join(pieces)
+
+
 def test_a_long_prompt_whose_client_left_stops_prefilling_at_the_next_round(loaded):
     """With nothing decoding, a prompt is prefilled in rounds of IDLE_PREFILL tokens and cancellations are
     answered between rounds: a 1500-token prompt whose client goes away during the first forward costs that
@@ -322,11 +331,7 @@ def test_a_long_prompt_whose_client_left_stops_prefilling_at_the_next_round(load
             await asyncio.sleep(0.01)
         short = Ticket(_job(loaded, "The sky is", 4), loop, asyncio.Queue())
         engine.submit(short)
-        pieces = []
-        while (event := await asyncio.wait_for(short.queue.get(), 120))[0] == "text":
-            pieces.append(event[1])
-        assert event[0] == "done", event
-        return "".join(pieces)
+        return await _reply(short)
 
     try:
         out = asyncio.run(go())
@@ -391,13 +396,9 @@ def test_a_short_prompt_is_not_kept_waiting_behind_a_long_ones_prefill(loaded):
         long = Ticket(long_job, loop, asyncio.Queue())
         engine.submit(long)
         engine.start()
-        pieces = []
-        while (event := await asyncio.wait_for(short.queue.get(), 120))[0] == "text":
-            pieces.append(event[1])
-        assert event[0] == "done", event
-        while (await asyncio.wait_for(long.queue.get(), 120))[0] != "done":
-            pass
-        return "".join(pieces)
+        text = await _reply(short)
+        await _reply(long)
+        return text
 
     try:
         out = asyncio.run(go())
