@@ -29,12 +29,22 @@ def sessions_dir() -> Path:
 
 def check_name(name: str) -> str:
     if not _NAME_RE.match(name or "") or name.endswith(".json"):
+        shown = name if len(name or "") <= 40 else name[:40] + "…"
+        near = _suggest(name or "")
         raise SessionError(
-            f"invalid session name {name!r}",
-            hint="start with a letter or digit, then letters, digits, '.', '_' or '-' (up to 100 characters), "
-                 "e.g. my-notes",
+            f"invalid session name {shown!r}",
+            hint=(f"try '{near}'; " if near else "") + "a name is a letter or digit, then letters, digits, '.', '_' "
+                 "or '-', at most 100 characters",
         )
     return name
+
+
+def _suggest(name: str) -> str | None:
+    """'my chat' -> 'my-chat': the name with what a session name cannot hold turned into '-', if that is one."""
+    if not name.isascii() or len(name) > 100:  # 'café' -> 'caf' would be no help
+        return None
+    near = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._").removesuffix(".json")
+    return near if near and _NAME_RE.match(near) and near != name else None
 
 
 def session_path(name: str) -> Path:

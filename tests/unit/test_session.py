@@ -491,3 +491,18 @@ def test_default_settings_fit_a_short_context_model(tiny):
     short = dataclasses.replace(tiny, config={"max_position_embeddings": 256})
     s = Session(short)
     assert s.params.max_tokens == 256 and s.context_limit == 256
+
+
+@pytest.mark.parametrize("name, said", [
+    ("my chat", "invalid session name 'my chat' (try 'my-chat'; a name is"),
+    ("notes.json", "(try 'notes';"),
+    ("café", "invalid session name 'café' (a name is"),  # no 'caf'
+    ("x" * 300, "invalid session name '" + "x" * 40 + "…' (a name is"),  # not repeated whole
+])
+def test_an_invalid_session_name_gets_a_likely_one(name, said):
+    from mlxinfer.engine.session import SessionError
+    from mlxinfer.engine.store import check_name
+
+    with pytest.raises(SessionError) as e:
+        check_name(name)
+    assert said in f"{e.value} ({e.value.hint})", f"{e.value} ({e.value.hint})"
