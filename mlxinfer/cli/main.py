@@ -235,19 +235,25 @@ def main(argv: list[str] | None = None) -> int:
     _install_signal_handlers()
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     usage_errors = _click_exceptions()  # here, not in the except clause: a signal there would escape every handler
+    # Signals are taken here, outside _run: one raised while _run reports an error (mlx.launch SIGTERMs the other
+    # ranks when one exits) is caught as well as one raised during the command.
     try:
         return _run(raw_argv, usage_errors)
-    except Terminated as e:  # SIGTERM/SIGHUP while an error was being reported (mlx.launch ends the other ranks so)
-        if not _follower_rank():
+    except Terminated as e:
+        if not _follower_rank():  # under mlx.launch: the launcher ending a rank after another's error
             _say("\nterminated")
         return e.exit_code
     except KeyboardInterrupt:
+        from ..distributed.group import note_interrupted
+
+        note_interrupted()
         _say("\ninterrupted")
         return 130
 
 
 def _run(raw_argv: list[str], usage_errors: tuple[type, ...]) -> int:
-    from ..errors import MlxinferError, Terminated
+    """The command and every error but a signal's (main takes those), each as one line and an exit code."""
+    from ..errors import MlxinferError
 
     argv = raw_argv
     try:
@@ -266,16 +272,6 @@ def _run(raw_argv: list[str], usage_errors: tuple[type, ...]) -> int:
         _traceback_if_debug()
         _say(f"error: {e}")
         return e.exit_code
-    except Terminated as e:
-        if not _follower_rank():  # under mlx.launch: the launcher ending a rank after another's error
-            _say("\nterminated")
-        return e.exit_code
-    except KeyboardInterrupt:
-        from ..distributed.group import note_interrupted
-
-        note_interrupted()
-        _say("\ninterrupted")
-        return 130
     except BrokenPipeError:
         _silence_stdout()
         return 1  # what click itself does on EPIPE inside a command (it exits 1, silently)

@@ -90,22 +90,16 @@ class ChatApp:
         self._window_told = False          # --max-kv-size: said once that the window is full and rotates
 
     # ----- models -----
-    def resolve(self, arg: str):
-        from ..registry import Registry
-
-        self.registry = self.registry or Registry.load()
-        return self.registry.resolve(arg)
-
-    def load_model(self, arg: str):
-        from .progress import load_model
-
-        return (self._load_model or load_model)(self.resolve(arg), kernels=self.kernels)
-
     def switch_model(self, arg: str) -> bool:
         """Load ``arg`` and go on with it; False (nothing done) when it is the model in use."""
-        if self.resolve(arg) == self.session.loaded.spec:  # it was hashed, loaded and the header drawn again
+        from ..registry import Registry
+        from .progress import load_model
+
+        self.registry = self.registry or Registry.load()
+        spec = self.registry.resolve(arg)
+        if spec == self.session.loaded.spec:  # it was hashed, loaded and the header drawn again
             return False
-        loaded = self.load_model(arg)
+        loaded = (self._load_model or load_model)(spec, kernels=self.kernels)
         old = self.session.loaded
         self.session.switch_model(loaded)
         del old
@@ -167,13 +161,13 @@ class ChatApp:
             self.view.error(f"generation failed: {failure_line(failure)}{undone}")
         if turn.discarded:
             self.view.notice("stopped before the reply began; the message was dropped (Up arrow brings it back)")
-        window = s.kv.max_size
+        used, window = s.context_used, s.kv.max_size  # (context_used may render the whole conversation)
+        rotated = bool(window) and used > window
         if turn.stats is not None and self.show_stats and turn.error is None:
             from .console_out import stats_text
 
-            self.view.stats(stats_text(turn.stats, context=(s.context_used, s.context_limit),
-                                       window=window if window and s.context_used > window else None))
-        if window and s.context_used > window and not self._window_told:
+            self.view.stats(stats_text(turn.stats, context=(used, s.context_limit), window=window if rotated else None))
+        if rotated and not self._window_told:
             self._window_told = True
             self.view.notice(f"the KV cache window is full: the model now sees the last {window} tokens "
                              "(--max-kv-size, /set max_kv_size; the first 4 stay); older ones drop as the chat goes on")
