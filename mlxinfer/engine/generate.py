@@ -99,6 +99,32 @@ def chat_text(loaded: LoadedModel, messages: list[dict[str, str]], **template_va
     return render(loaded.chat_template, messages, special_tokens=special_tokens_of(loaded.tokenizer), **template_vars)
 
 
+_PROBE_SYSTEM, _PROBE_USER = "MLXINFER-PROBE-SYSTEM", "MLXINFER-PROBE-USER"
+
+
+def template_system_prompt(loaded: LoadedModel) -> str | None:
+    """The system prompt the chat template writes itself when the conversation has none (SmolLM2's "You are a
+    helpful AI assistant named SmolLM...", Qwen2.5's "You are Qwen..."), so a chat can say what the model reads.
+    Found by rendering once with a system message and once without: the text in the system message's place."""
+    from ..errors import MlxinferError
+
+    user = [{"role": "user", "content": _PROBE_USER}]
+    try:
+        bare = chat_text(loaded, user)
+        with_system = chat_text(loaded, [{"role": "system", "content": _PROBE_SYSTEM}] + user)
+    except MlxinferError:  # e.g. a template that refuses system messages
+        return None
+    if _PROBE_USER not in bare or _PROBE_SYSTEM not in with_system:
+        return None
+    head, _, rest = with_system.partition(_PROBE_SYSTEM)
+    between = rest.partition(_PROBE_USER)[0]      # the system turn's end and the user turn's start
+    before_user = bare.partition(_PROBE_USER)[0]  # = head + the template's own text + between, if it has one
+    if not (before_user.startswith(head) and before_user.endswith(between)
+            and len(before_user) > len(head) + len(between)):
+        return None
+    return before_user[len(head):len(before_user) - len(between)].strip() or None
+
+
 def _check_messages(messages) -> None:
     """The caller's mistakes named as such: a message without role or text content failed inside the template and
     was reported as the model's broken chat template."""

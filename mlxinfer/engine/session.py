@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import InvalidParameter, MlxinferError
 from . import settings as _settings
-from .generate import chat_prompt
+from .generate import chat_prompt, template_system_prompt
 from .kv_options import KVOptions, make_cache
 from .loader import LoadedModel
 from .sampling import SamplingParams, repair_random_state
@@ -207,7 +207,7 @@ class Session:
             raise SessionError(
                 f"the message takes {len(newest)} tokens with the system prompt and chat template, which leaves "
                 f"no room for a reply in a {limit}-token context",
-                hint="shorten it or the system prompt" + (
+                hint=self._shorten_hint() + (
                     ", or raise the limit with /set context" if limit < self.loaded.context_length else
                     f" ({limit} tokens is this model's whole context)"),
             )
@@ -222,6 +222,11 @@ class Session:
                 dropped += 1
             tokens = self.render()
         return tokens, dropped
+
+    def _shorten_hint(self) -> str:
+        if self.system or not template_system_prompt(self.loaded):
+            return "shorten it or the system prompt"
+        return "shorten it, or replace the chat template's own system prompt with a shorter /system TEXT"
 
     def _start(self, before: list[dict]) -> Turn:
         """Start a turn on the current messages; ``before`` is the history to go back to if it fails."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..engine import store
+from ..engine.generate import template_system_prompt
 from ..engine.session import KV_SETTINGS, SETTING_NAMES, THINK_MODES, Session
 from ..errors import InvalidParameter
 
@@ -50,7 +51,10 @@ def _clear(app, arg):
 def _system(app, arg):
     s = app.session
     if not arg:
-        app.view.info(f"system prompt: {s.system}" if s.system else "no system prompt (set one with /system TEXT)")
+        own = None if s.system else template_system_prompt(s.loaded)
+        app.view.info(f"system prompt: {s.system}" if s.system else
+                      f"no system prompt of yours; the chat template adds its own: {own} (/system TEXT replaces it)"
+                      if own else "no system prompt (set one with /system TEXT)")
         return
     s.set_system(None if arg in ("none", "off", '""') else arg)
     app.view.info("system prompt set" if s.system else "system prompt removed")
@@ -113,11 +117,16 @@ def _show(app, arg):
     _show_settings(app)
     used = s.context_used
     app.view.table([
-        ("system", s.system or "(none)"),
+        ("system", s.system or _template_system_row(s)),
         ("messages", str(len(s.messages))),
         ("context used", f"{used}/{s.context_limit} tokens ({100 * used / s.context_limit:.1f}%)"),
         ("session", app.session_name or "(not saved)"),
     ], title="Conversation")
+
+
+def _template_system_row(s: Session) -> str:
+    own = template_system_prompt(s.loaded)
+    return f"(none; the chat template adds: {own})" if own else "(none)"
 
 
 def _save(app, arg):

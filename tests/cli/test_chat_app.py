@@ -216,3 +216,17 @@ def test_set_speaks_as_show_does(run_chat):
     assert "set think = off" in err and app.session.think == "off"
     assert "set temperature = 2\n" in err and "set temperature = 2.0" not in err
     assert "must be between 32 and 8192, the model's context (leave it off" in err
+
+
+def test_show_and_system_say_the_system_prompt_the_template_adds(run_chat):
+    """SmolLM2's template writes "You are a helpful AI assistant named SmolLM..." when the chat has no system
+    prompt: /show said "system (none)", and a message too long for /set context said to shorten a system prompt
+    the user never set."""
+    own = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    app, out, err, loads = run_chat(["/system", "/show", "/set context 32",
+                                     "hello there, how are you doing today my friend? tell me", "/system Hi.",
+                                     "/show", "/exit"])
+    assert f"no system prompt of yours; the chat template adds its own: {own} (/system TEXT replaces it)" in err
+    assert f"system        (none; the chat template adds: {own})" in err
+    assert "replace the chat template's own system prompt with a shorter /system TEXT" in err
+    assert "system        Hi." in err

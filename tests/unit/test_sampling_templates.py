@@ -111,3 +111,39 @@ def test_template_raise_exception_is_a_clear_error():
 
 def test_template_without_source_uses_fallback():
     assert render(None, [{"role": "user", "content": "hi"}]).endswith("Assistant:")
+
+
+SMOL_TEMPLATE = (  # SmolLM2-Instruct's own, verbatim in shape
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA31_LIKE = (  # a header every prompt gets, with or without a system message of the user's
+    "{{ bos_token }}<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% set rest = messages[1:] %}"
+    "{% else %}{% set rest = messages %}{% endif %}<|eot_id|>"
+    "{% for m in rest %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+    "{% endfor %}")
+REFUSES_SYSTEM = (  # Gemma 2's way: a system message is an error
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}")
+PLAIN = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.mark.parametrize("template, expected", [
+    (SMOL_TEMPLATE, "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+    (SMOL_TEMPLATE.replace("SmolLM, trained by Hugging Face", "Qwen, created by Alibaba Cloud"),
+     "You are a helpful AI assistant named Qwen, created by Alibaba Cloud"),
+    (LLAMA31_LIKE, None),     # the date header is there either way: it is not a system prompt in the user's place
+    (REFUSES_SYSTEM, None),
+    (PLAIN, None),
+])
+def test_the_system_prompt_a_chat_template_adds_of_its_own_is_found(template, expected):
+    """A chat with no system prompt is not a chat without one when the template writes its own: /show and /system
+    say what the model reads."""
+    from types import SimpleNamespace
+
+    from mlxinfer.engine.generate import template_system_prompt
+
+    loaded = SimpleNamespace(chat_template=template, tokenizer=SimpleNamespace(bos_token="<s>", eos_token="</s>"))
+    assert template_system_prompt(loaded) == expected
