@@ -211,7 +211,8 @@ def test_message_longer_than_the_context_is_refused(tiny):
         s.send("word " * 80)
     whole = make_session(tiny)  # at the model's whole context there is no limit to raise
     full = tiny.context_length
-    with pytest.raises(SessionError, match=rf"\(shorten it or the system prompt \({full} tokens is this model's "
+    with pytest.raises(SessionError, match=rf"\(shorten it, or replace the chat template's own system prompt with a "
+                                               rf"shorter /system TEXT \({full} tokens is this model's "
                                            r"whole context\)\)"):
         whole.send("word " * (full + 10))
 
