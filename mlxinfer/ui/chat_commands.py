@@ -120,7 +120,7 @@ def _show(app, arg):
         ("system", s.system or _template_system_row(s)),
         ("messages", str(len(s.messages))),
         ("context used", f"{used}/{s.context_limit} tokens ({100 * used / s.context_limit:.1f}%)"),
-        ("session", app.session_name or "(not saved)"),
+        ("session", app.session_line()),
     ], title="Conversation")
 
 
@@ -156,6 +156,7 @@ def _load(app, arg):
         raise
     app.adopt(lock)
     app.session = session
+    app.saved_state = session.to_dict()
     app.view.info(f"loaded session '{name}' ({len(app.session.messages)} messages)")
     app.show_history()
 

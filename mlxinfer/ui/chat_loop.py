@@ -88,6 +88,7 @@ class ChatApp:
         self.typed_ahead = ""              # keys typed while the last reply streamed (Enter included), not read yet
         self.world = None                  # under mlx.launch (mlxinfer.distributed.World): rank 0 leads, others follow
         self._window_told = False          # --max-kv-size: said once that the window is full and rotates
+        self.saved_state: dict | None = None  # the session as last saved or loaded (what /show compares with)
 
     # ----- models -----
     def switch_model(self, arg: str) -> bool:
@@ -208,9 +209,21 @@ class ChatApp:
             self.view.error(f"could not save the session: {e}")
             return False
         self.session_name = name
+        self.saved_state = self.session.to_dict()
         if not quiet:
             self.view.info(f"saved session '{name}' ({len(self.session.messages)} messages) to {path}")
         return True
+
+    def session_line(self) -> str:
+        """What /show says of the session on disk: its name and whether what is on screen is in it."""
+        name = self.session_name
+        if name is None:
+            return "(not saved; /save NAME)"
+        if self.autosave:
+            return f"{name} (saved after every reply)"
+        if self.saved_state == self.session.to_dict():
+            return f"{name} (saved)"
+        return f"{name} (changed since saved; /save {name} keeps the changes)"
 
     def save_on_exit(self) -> None:
         """--session: what changed since the last reply (/set, /undo, an interrupted reply) is kept too."""

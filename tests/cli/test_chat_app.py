@@ -230,3 +230,16 @@ def test_show_and_system_say_the_system_prompt_the_template_adds(run_chat):
     assert f"system        (none; the chat template adds: {own})" in err
     assert "replace the chat template's own system prompt with a shorter /system TEXT" in err
     assert "system        Hi." in err
+
+
+def test_show_says_whether_the_named_session_holds_what_is_on_screen(run_chat):
+    """After /save NAME in a plain chat, /show said "session NAME" while later messages were in no file; a
+    --session chat saves after every reply."""
+    app, out, err, loads = run_chat(["/show", "/save notes", "/show", "Say hi.", "/show", "/load notes", "/show",
+                                     "/exit"], max_tokens=3)
+    rows = [line for line in err.splitlines() if line.startswith("  session ")]
+    assert [r.split(None, 1)[1] for r in rows] == [
+        "(not saved; /save NAME)", "notes (saved)", "notes (changed since saved; /save notes keeps the changes)",
+        "notes (saved)"]
+    app, out, err, loads = run_chat(["/save notes2", "Say hi.", "/show", "/exit"], max_tokens=3, autosave=True)
+    assert "  session       notes2 (saved after every reply)" in err
