@@ -20,7 +20,7 @@ _API = {
     "LoadedModel": "mlxinfer.engine.loader",
     "stream_generate": "mlxinfer.engine.generate",
     "generate": "mlxinfer.engine.generate",
-    "chat_prompt": "mlxinfer.engine.generate",
+    "chat_prompt": "mlxinfer.engine.prompts",
     "Response": "mlxinfer.engine.generate",
     "GenerationStats": "mlxinfer.engine.generate",
     "SamplingParams": "mlxinfer.engine.sampling",

@@ -298,7 +298,7 @@ def _prompt_source(loaded, opts: BenchOptions) -> PromptSource:
     vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or loaded.tokenizer.vocab_size
     if opts.prompt_file is None:
         return PromptSource(int(vocab), opts.seed)
-    from ..engine.generate import encode_pieces
+    from ..engine.prompts import encode_pieces
 
     text = Path(opts.prompt_file).read_text(encoding="utf-8")
     need = max((c.depth + c.prompt for c in opts.cases()), default=0)

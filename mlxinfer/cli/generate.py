@@ -33,7 +33,8 @@ def generate_cmd(
                                            "(pipeline parallel) instead of tensor parallel.")] = False,
 ):
     """Generate a reply to one prompt."""
-    from ..engine.generate import prompt_tokens, stream_generate
+    from ..engine.generate import stream_generate
+    from ..engine.prompts import prompt_tokens
     from ..engine.kv_options import kernel_note
     from ..engine.settings import resolve_kv
     from ..errors import InvalidParameter

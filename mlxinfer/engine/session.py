@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import InvalidParameter, MlxinferError
 from . import settings as _settings
-from .generate import chat_prompt, template_system_prompt
+from .prompts import chat_prompt, template_system_prompt
 from .kv_options import KVOptions, make_cache
 from .loader import LoadedModel
 from .sampling import SamplingParams, repair_random_state

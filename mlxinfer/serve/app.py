@@ -138,7 +138,7 @@ class Api:
     # ---- generation ---------------------------------------------------------------------------------------
     def _job(self, data: dict, kind: str) -> s.Job:
         """Validate and tokenize (runs in a worker thread: templates and tokenizers take a while on long input)."""
-        from ..engine.generate import chat_prompt, encode_prompt
+        from ..engine.prompts import chat_prompt, encode_prompt
         from ..engine.settings import bad_token, vocab_size
         from ..errors import MlxinferError
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..engine import store
-from ..engine.generate import template_system_prompt
+from ..engine.prompts import template_system_prompt
 from ..engine.session import KV_SETTINGS, SETTING_NAMES, THINK_MODES, Session
 from ..errors import InvalidParameter
 

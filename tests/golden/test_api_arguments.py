@@ -10,7 +10,7 @@ import pytest
 
 import mlxinfer
 from mlxinfer import SamplingParams
-from mlxinfer.engine.generate import chat_prompt
+from mlxinfer.engine.prompts import chat_prompt
 from mlxinfer.errors import InvalidParameter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)

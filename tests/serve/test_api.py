@@ -58,7 +58,7 @@ def test_completions_whole_and_streamed(server, local):
     r = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=10)
     assert r.object == "text_completion"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
-    assert r.usage.prompt_tokens == len(mlxinfer.engine.generate.encode_prompt(local, prompt))
+    assert r.usage.prompt_tokens == len(mlxinfer.engine.prompts.encode_prompt(local, prompt))
     assert r.choices[0].text == mlxinfer.generate(local, prompt, mlxinfer.SamplingParams(temperature=0, max_tokens=10))
     streamed = list(client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=10,
                                               stream=True))

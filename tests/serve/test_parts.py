@@ -137,7 +137,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine():
             return loaded.model(*args, **kwargs)
 
     engine = Engine(dataclasses.replace(loaded, model=Flaky()), Metrics(), parallel=2)
-    job = s.Job("completion", mlxinfer.engine.generate.encode_prompt(loaded, "The sky is"),
+    job = s.Job("completion", mlxinfer.engine.prompts.encode_prompt(loaded, "The sky is"),
                 mlxinfer.SamplingParams(temperature=0), 6)
 
     async def run() -> list:

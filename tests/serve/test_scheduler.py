@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 
 import mlxinfer
-from mlxinfer.engine.generate import encode_prompt
+from mlxinfer.engine.prompts import encode_prompt
 from mlxinfer.serve import schemas as s
 from mlxinfer.serve.metrics import Metrics
 from mlxinfer.serve.scheduler import Engine

@@ -232,7 +232,8 @@ def test_session_goes_past_the_cap_and_saves_its_kv_settings(smollm2_auto):
 @pytest.mark.slow
 def test_8bit_greedy_keeps_the_answer(smollm2_auto):
     smollm2 = smollm2_auto
-    from mlxinfer.engine.generate import chat_prompt, stream_generate
+    from mlxinfer.engine.generate import stream_generate
+    from mlxinfer.engine.prompts import chat_prompt
     from mlxinfer.engine.sampling import SamplingParams
 
     # Not "...of France?": its first two tokens are 0.08 apart at float32 and 0.003 apart on MLX's own 8-bit KV

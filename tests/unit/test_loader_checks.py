@@ -22,7 +22,7 @@ def test_a_tokenizer_panic_is_one_line_about_the_model():
     PanicException, a BaseException: it crashed chat and generate with a traceback (exit 1)."""
     import pytest
 
-    from mlxinfer.engine.generate import _encode, _piece_encoder
+    from mlxinfer.engine.prompts import _encode, _piece_encoder
     from mlxinfer.errors import InvalidModel
 
     class PanicException(BaseException):

@@ -143,7 +143,7 @@ def test_the_system_prompt_a_chat_template_adds_of_its_own_is_found(template, ex
     say what the model reads."""
     from types import SimpleNamespace
 
-    from mlxinfer.engine.generate import template_system_prompt
+    from mlxinfer.engine.prompts import template_system_prompt
 
     loaded = SimpleNamespace(chat_template=template, tokenizer=SimpleNamespace(bos_token="<s>", eos_token="</s>"))
     assert template_system_prompt(loaded) == expected
