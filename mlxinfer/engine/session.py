@@ -12,9 +12,9 @@ from typing import Any
 
 from ..errors import InvalidParameter, MlxinferError
 from . import settings as _settings
-from .prompts import chat_prompt, template_system_prompt
 from .kv_options import KVOptions, make_cache
 from .loader import LoadedModel
+from .prompts import chat_prompt, template_system_prompt
 from .sampling import SamplingParams, repair_random_state
 from .turn import CHAT_PREFILL_STEP, Cancelled, Turn  # noqa: F401 - the Turn of a session, importable from here
 
