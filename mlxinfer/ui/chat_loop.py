@@ -208,10 +208,12 @@ class ChatApp:
         except (MlxinferError, OSError) as e:
             self.view.error(f"could not save the session: {e}")
             return False
-        self.session_name = name
+        before, self.session_name = self.session_name, name
         self.saved_state = self.session.to_dict()
         if not quiet:
             self.view.info(f"saved session '{name}' ({len(self.session.messages)} messages) to {path}")
+            if self.autosave and before not in (None, name):  # --session: a "save as", as in an editor
+                self.view.info(f"this chat now saves to '{name}' after every reply; '{before}' keeps what it had")
         return True
 
     def session_line(self) -> str:

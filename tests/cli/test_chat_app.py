@@ -241,5 +241,7 @@ def test_show_says_whether_the_named_session_holds_what_is_on_screen(run_chat):
     assert [r.split(None, 1)[1] for r in rows] == [
         "(not saved; /save NAME)", "notes (saved)", "notes (changed since saved; /save notes keeps the changes)",
         "notes (saved)"]
-    app, out, err, loads = run_chat(["/save notes2", "Say hi.", "/show", "/exit"], max_tokens=3, autosave=True)
-    assert "  session       notes2 (saved after every reply)" in err
+    app, out, err, loads = run_chat(["/save notes3", "Say hi.", "/show", "/exit"], max_tokens=3, autosave=True,
+                                    session_name="notes2")
+    assert "  session       notes3 (saved after every reply)" in err
+    assert "this chat now saves to 'notes3' after every reply; 'notes2' keeps what it had" in err
