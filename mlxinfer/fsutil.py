@@ -243,10 +243,53 @@ def atomic_write_text(path: Path, text: str, private: bool = False) -> None:
         raise
 
 
+def _may(st: os.stat_result, bit: int) -> bool:
+    """Whether the mode bits let this user ``bit`` (4 read, 1 search/execute); root's override is left out, so a
+    denied read is explained by the bits a user can change."""
+    if st.st_uid == os.geteuid():
+        return bool(st.st_mode >> 6 & bit)
+    if st.st_gid == os.getegid() or st.st_gid in os.getgroups():
+        return bool(st.st_mode >> 3 & bit)
+    return bool(st.st_mode & bit)
+
+
+def unreadable(path: str | os.PathLike) -> tuple[Path, str] | None:
+    """(the part of ``path`` that cannot be read, a chmod that fixes it) when a permission error on ``path`` came
+    from reading it (a file without read permission, a folder on the way that cannot be opened); None when
+    everything on the way is readable (then it was a write)."""
+    p = Path(os.path.abspath(path))
+    for part in [*reversed(p.parents), p]:
+        try:
+            st = part.stat()
+        except OSError:
+            return None  # it does not exist (a write to a new file) or cannot be looked at: not a read
+        if part.is_dir():
+            if not _may(st, 1) or (part == p and not _may(st, 4)):
+                return part, f"chmod u+rx '{part}'"
+        elif not _may(st, 4):
+            return part, f"chmod u+r '{part}'"
+    return None
+
+
+def read_failure(error: BaseException) -> MlxinferError | None:
+    """The one-line error for a permission error that came from reading (None if it was a write)."""
+    code, name = getattr(error, "errno", None), getattr(error, "filename", None)
+    if code not in (errno.EACCES, errno.EPERM) or not name:
+        return None
+    found = unreadable(name)
+    if found is None:
+        return None
+    part, fix = found
+    kind = "folder" if part.is_dir() else "file"
+    return MlxinferError(f"cannot read the {kind} {part}: permission denied", hint=f"make it readable: {fix}")
+
+
 def write_failure(error: BaseException, where: Path, what: str, limit_hint: str = "") -> MlxinferError | None:
     """The one-line error for a failed write of ``what`` into ``where`` (None when it was not the disk's doing).
     MLX raises ``RuntimeError("[write] Unable to write N bytes")`` without errno: look at space and limits."""
     code = getattr(error, "errno", None)
+    if (denied := read_failure(error)) is not None:  # a source file that cannot be read, not the output
+        return denied
     if code is None:
         text = str(error).lower()
         if not isinstance(error, RuntimeError) or not ("unable to write" in text or text.startswith("[write]")):

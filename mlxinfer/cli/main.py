@@ -215,7 +215,10 @@ def _os_error_line(e: OSError) -> str:
     if e.errno == errno.EFBIG:
         return f"file size limit reached{where}; nothing was kept (raise the limit: ulimit -f)"
     if e.errno in (errno.EACCES, errno.EPERM):
-        return f"permission denied{where} (choose a path you can write to)"
+        from ..fsutil import read_failure
+
+        denied = read_failure(e)
+        return str(denied) if denied is not None else f"permission denied{where} (choose a path you can write to)"
     if e.errno == errno.EROFS:
         return f"read-only file system{where} (choose a writable path)"
     if e.errno == errno.EBADF:
