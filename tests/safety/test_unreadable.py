@@ -45,7 +45,8 @@ def test_a_denied_read_is_told_apart_from_a_denied_write(tmp_path, restore_modes
     assert str(read_failure(_denied(closed / "config.json"))) == (
         f"cannot read the folder {closed}: permission denied (make it readable: chmod u+rx '{closed}')")
     assert read_failure(_denied(locked / "new.safetensors")) is None  # a write into a folder without w
-    assert "cannot write the converted model" in str(write_failure(_denied(locked / "x"), locked, "the converted model"))
+    wrote = write_failure(_denied(locked / "x"), locked, "the converted model")
+    assert "cannot write the converted model" in str(wrote)
     # a source file convert could not read is said as such, not as a failure to write its output
     assert str(write_failure(_denied(secret), locked, "the converted model")).startswith("cannot read the file")
 
