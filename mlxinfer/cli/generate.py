@@ -44,6 +44,9 @@ def generate_cmd(
 
     if prompt is None:
         raise InvalidParameter("no prompt given", hint="use -p 'your question', or -p - to read stdin")
+    if raw and system is not None:  # it was dropped without a word: a system prompt lives in the chat template
+        raise InvalidParameter("--system needs the chat template, which --raw leaves out",
+                               hint="drop one of them, or write the system text into the raw prompt")
     from ..distributed import describe, enter
 
     world = enter(pipeline)

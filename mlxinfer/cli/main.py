@@ -55,7 +55,13 @@ def _with_default_command(argv: list[str]) -> list[str]:
         return argv
     if len(argv) >= 2 and not argv[0].startswith("-") and not argv[1].startswith("-") and \
             "generate" in COMMANDS_PRESENT:
-        return ["generate", argv[0], "-p", argv[1], *argv[2:]]
+        rest = argv[2:]
+        if any(a in ("-p", "--prompt") or a.startswith(("--prompt=", "-p")) for a in rest if a != "--"):
+            from ..errors import InvalidParameter  # the later -p won silently: the prompt typed first was dropped
+
+            raise InvalidParameter(f"two prompts: {argv[1][:40]!r} after the model and one with -p",
+                                   hint="give one of them")
+        return ["generate", argv[0], "-p", argv[1], *rest]
     return ["chat", *argv]
 
 

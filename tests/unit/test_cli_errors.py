@@ -162,3 +162,13 @@ def test_a_signal_while_an_error_is_reported_is_one_line_or_none(rank):
 def test_an_unknown_option_suggests_only_a_likely_one(args, line):
     proc = run(*args)
     assert proc.returncode == 2 and proc.stderr.startswith(line) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["smollm2", "Say only BANANA.", "-p", "What is the capital of France?"], "two prompts: 'Say only BANANA.'"),
+    (["smollm2", "Say only BANANA.", "--prompt=Why?"], "two prompts"),
+    (["generate", "-p", "Hello", "--raw", "--system", "You are a pirate"], "--system needs the chat template"),
+])
+def test_conflicting_inputs_are_refused_not_resolved_silently(args, needle):
+    """The prompt after the model was dropped for -p's, and --system was ignored under --raw (prompt_tokens 1)."""
+    assert_one_line_error(run(*args), needle)
