@@ -83,7 +83,7 @@ def generate_cmd(
 
     out = sys.stdout
     pieces, last = [], None
-    for r in stream_generate(loaded, tokens, run_params, kv=kv):
+    for r in stream_generate(loaded, tokens, run_params, kv=kv, completion=raw):
         pieces.append(r.text)
         last = r
         if not as_json and r.text:

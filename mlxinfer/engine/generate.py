@@ -106,6 +106,22 @@ def _fit_context(loaded, prompt_tokens: int, params: SamplingParams) -> Sampling
     return params
 
 
+def reply_detokenizer(tokenizer, *, completion: bool):
+    """mlx-lm's streaming detokenizer, reset. Its SPM and BPE kinds drop the first space of a text: right for a
+    chat reply (after "assistant\n"), wrong for a raw completion, where prompt + completion must be the text
+    ("The capital of France is" + " Paris")."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    detok = tokenizer.detokenizer
+    detok.reset()
+    if completion:
+        if hasattr(detok, "trim_space"):  # SPMStreamingDetokenizer
+            detok.trim_space = False
+        elif isinstance(detok, BPEStreamingDetokenizer):  # (mlx-lm 0.32: its one place that trims)
+            detok._maybe_trim_space = lambda text: text
+    return detok
+
+
 def stream_generate(
     loaded: LoadedModel,
     prompt: str | Sequence[int],
@@ -117,10 +133,13 @@ def stream_generate(
     prompt_progress: Callable[[int, int], None] | None = None,
     prefill_step_size: int = 512,
     kv: KVOptions | None = None,
+    completion: bool | None = None,
 ) -> Iterator[Response]:
     """Yield the reply piece by piece. ``cache`` (an mlx-lm prompt cache) is extended in place: pass the tokens
     it does not hold yet as ``prompt``. After the stream ends the cache holds prompt + ``stats.tokens``.
-    ``kv``: the KV-cache options (quantized or capped) a new cache is made with and a given one kept by."""
+    ``kv``: the KV-cache options (quantized or capped) a new cache is made with and a given one kept by.
+    ``completion``: the reply continues the prompt's text and keeps its leading space (default: when the prompt
+    is text, not token ids)."""
     import mlx.core as mx
 
     from .steps import token_steps
@@ -131,8 +150,8 @@ def stream_generate(
     if params.seed is not None:
         mx.random.seed(params.seed)
     stats = GenerationStats(prompt_tokens=len(tokens))
-    detok = loaded.tokenizer.detokenizer
-    detok.reset()
+    detok = reply_detokenizer(loaded.tokenizer, completion=isinstance(prompt, str) if completion is None
+                              else completion)
     eos = set() if ignore_eos else loaded.eos_token_ids
     text, emitted = "", 0
 

@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from ..engine.generate import _holdback
+from ..engine.generate import _holdback, reply_detokenizer
 from ..engine.sampling import make_logits_processors, make_sampler
 from .schemas import Job
 
@@ -46,7 +46,7 @@ class SeqState:
         self.greedy = job.params.temperature == 0
         self.processors = make_logits_processors(job.params)
         self.rng = mx.random.key(job.params.seed) if job.params.seed is not None and not self.greedy else None
-        self.detok = tokenizer.detokenizer
+        self.detok = reply_detokenizer(tokenizer, completion=job.kind == "completion")
         self.text, self.emitted, self.last = "", 0, 0.0
         self.pending_lp: list[dict] = []             # logprob entries whose token's text is not shown yet
         self._lp_ends: list[int] = []                 # where each pending token's bytes end in the reply's bytes

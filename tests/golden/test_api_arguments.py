@@ -78,3 +78,18 @@ def test_bad_messages_are_the_callers_not_the_templates(smollm2, messages, said)
     """They were reported as "the model's chat template is broken: fix chat_template in its tokenizer_config"."""
     with pytest.raises(InvalidParameter, match=said):
         chat_prompt(smollm2, messages)
+
+
+def test_a_text_completion_keeps_its_first_space_a_chat_reply_does_not(smollm2):
+    """mlx-lm's detokenizers drop a text's first space: "The capital of France is" + "Paris." was the completion
+    (generate --raw and the API on text); a chat reply still starts with its first word."""
+    import subprocess
+    import sys
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+    assert mlxinfer.generate(smollm2, "The capital of France is", params) == " Paris."
+    tokens = chat_prompt(smollm2, [{"role": "user", "content": "What is the capital of France?"}])
+    assert not mlxinfer.generate(smollm2, tokens, params).startswith(" ")
+    out = subprocess.run([sys.executable, "-m", "mlxinfer", "generate", "--raw", "-p", "The capital of France is",
+                          "--temp", "0", "-n", "2"], capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith(" Paris.")

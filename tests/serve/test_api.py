@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 import mlxinfer
+from mlxinfer.engine.prompts import encode_prompt
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -58,7 +59,7 @@ def test_completions_whole_and_streamed(server, local):
     r = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=10)
     assert r.object == "text_completion"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
-    assert r.usage.prompt_tokens == len(mlxinfer.engine.prompts.encode_prompt(local, prompt))
+    assert r.usage.prompt_tokens == len(encode_prompt(local, prompt))
     assert r.choices[0].text == mlxinfer.generate(local, prompt, mlxinfer.SamplingParams(temperature=0, max_tokens=10))
     streamed = list(client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=10,
                                               stream=True))
@@ -217,3 +218,18 @@ def test_logprobs_carry_each_tokens_own_bytes_and_stream_with_their_text(server)
             covered += bytes(e.bytes)
         assert len(covered.lstrip(b" ")) <= len(shown)  # never an entry ahead of its text
     assert covered.decode().lstrip(" ") == shown.decode() == text
+
+
+def test_a_completion_keeps_its_leading_space_so_prompt_plus_text_is_the_text(server):
+    """"The capital of France is" → "Paris." (the detokenizer drops a reply's first space): prompt + completion
+    read "…isParis", and the logprobs' text_offset did not index the text."""
+    client = server.client()
+    prompt = "Once upon a"
+    r = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=4, logprobs=1)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text.startswith(" ") and text == "".join(lp.tokens)
+    assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+    streamed = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=4, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+    chat = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=4)
+    assert not chat.choices[0].message.content.startswith(" ")  # a chat reply still starts with its first word

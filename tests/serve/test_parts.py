@@ -118,6 +118,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine():
     import dataclasses
 
     import mlxinfer
+    from mlxinfer.engine.prompts import encode_prompt
     from mlxinfer.serve.metrics import Metrics
     from mlxinfer.serve.scheduler import Engine
     from mlxinfer.serve.sequence import Ticket
@@ -137,7 +138,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine():
             return loaded.model(*args, **kwargs)
 
     engine = Engine(dataclasses.replace(loaded, model=Flaky()), Metrics(), parallel=2)
-    job = s.Job("completion", mlxinfer.engine.prompts.encode_prompt(loaded, "The sky is"),
+    job = s.Job("completion", encode_prompt(loaded, "The sky is"),
                 mlxinfer.SamplingParams(temperature=0), 6)
 
     async def run() -> list:
