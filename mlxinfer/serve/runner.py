@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import time
 import socket
+import threading
+import time
 
 from ..errors import InvalidParameter
 from .app import ServeOptions, create_app
 from .guard import GuardedH11, is_loopback_name, raise_descriptor_limit
+
+FORCE_AFTER_S = 3.0  # after a second signal: how long the running requests get to end with their error event
 
 
 def check_bind(host: str, port: int, api_key: str | None) -> int:
@@ -45,9 +48,21 @@ def serve(loaded, opts: ServeOptions, *, host: str, port: int, grace: float, log
     engine = app.state.api.engine
 
     class Server(uvicorn.Server):
+        ending_now = False
+
         def handle_exit(self, sig, frame):
-            if self.should_exit:  # a second signal, whatever it is (uvicorn forces only on a second Ctrl-C)
+            if self.should_exit and self.ending_now:  # a third signal: out now, whatever is running
                 self.force_exit = True
+            elif self.should_exit:
+                # A second signal, whatever it is: the running requests end at their next token with the 503
+                # error event (uvicorn's forced exit cut streams mid-chunk and logged two tracebacks); a step that
+                # does not come back within FORCE_AFTER_S is left behind.
+                self.ending_now = True
+                engine.end_all_at(time.perf_counter())
+                timer = threading.Timer(FORCE_AFTER_S, setattr, (self, "force_exit", True))
+                timer.daemon = True
+                timer.start()
+                return
             else:
                 engine.draining = True  # requests arriving on open connections get 503 from now on
                 # Requests still running a second before --grace runs out end with a 503 error event (a stream
