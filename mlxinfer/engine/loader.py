@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import InvalidModel, MlxinferError
+from ..errors import DamagedFile, InvalidModel, MlxinferError
 from ..registry import ModelSpec, Registry
 from .backend import activation_dtype, backend, keep_freed_buffers
 
@@ -92,6 +92,18 @@ def model_dir(spec: ModelSpec, progress: Progress | None = None) -> Path:
             return import_gguf(path, progress=progress)
         raise InvalidModel(f"{path} is not a model", hint="give a model directory or a .gguf file")
     return path
+
+
+def cache_fix(spec: ModelSpec) -> str | None:
+    """The hint for damaged weights in the cache copy of ``spec``: the commands that replace it (None for the user's
+    own directory). rm takes every revision of a Hub repo: revisions share blobs, so removing one may free nothing."""
+    import shlex
+
+    name = shlex.quote(spec.name)
+    rm = shlex.quote(spec.repo) if spec.kind == "hub" else name
+    if spec.kind != "hub" and not spec.is_gguf:
+        return None
+    return f"the cached copy is damaged; get it again: mlxinfer rm {rm} --yes && mlxinfer pull {name}"
 
 
 def check_model_dir(path: Path) -> dict:
@@ -211,7 +223,13 @@ def load(
     path = model_dir(spec, progress)
     if progress:
         progress("load", 0, 1)
-    net, config = load_model_dir(path, lazy=True)
+    try:
+        net, config = load_model_dir(path, lazy=True)
+    except DamagedFile as e:
+        fix = cache_fix(spec)
+        if fix is None:
+            raise
+        raise DamagedFile(e.args[0], hint=fix) from None
     from ..distributed import prepare  # under mlx.launch: keep only this rank's shard, before any weight is read
 
     shard_line = prepare(net, config)

@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from ..errors import InvalidModel
+from ..errors import DamagedFile, InvalidModel
 
 # Generous upper bounds: ten times beyond the largest published models, far below what would exhaust memory.
 _INT_LIMITS = {
@@ -132,16 +132,16 @@ def safetensors_header(file: Path) -> dict[str, dict]:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if not 2 <= n <= min(size - 8, _MAX_HEADER):
-                raise InvalidModel(f"{file} is not a safetensors file or is truncated (header length {n}, "
+                raise DamagedFile(f"{file} is not a safetensors file or is truncated (header length {n}, "
                                    f"file {size} bytes)", hint="delete it and download or convert again")
             header = json.loads(f.read(n))
     except OSError as e:
         raise InvalidModel(f"cannot read {file}: {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise InvalidModel(f"{file} has a corrupt safetensors header", hint="delete it and download or convert again") \
+        raise DamagedFile(f"{file} has a corrupt safetensors header", hint="delete it and download or convert again") \
             from None
     if not isinstance(header, dict):
-        raise InvalidModel(f"{file} has a corrupt safetensors header", hint="delete it and download or convert again")
+        raise DamagedFile(f"{file} has a corrupt safetensors header", hint="delete it and download or convert again")
     header.pop("__metadata__", None)
     data_size, end = size - 8 - n, 0
     for name, info in header.items():
@@ -153,11 +153,11 @@ def safetensors_header(file: Path) -> dict[str, dict]:
         except (TypeError, KeyError, ValueError, AttributeError, OverflowError):  # OverflowError: int(1e400)
             ok, need, stop, start = False, 0, 0, 0
         if not ok or int(stop) - int(start) < need:
-            raise InvalidModel(f"{file}: tensor '{name}' has an inconsistent header entry",
+            raise DamagedFile(f"{file}: tensor '{name}' has an inconsistent header entry",
                                hint="the file is corrupt; delete it and download or convert again")
         end = max(end, int(stop))
     if end > data_size:
-        raise InvalidModel(f"{file} is truncated: its header needs {end} bytes of data, the file has {data_size}",
+        raise DamagedFile(f"{file} is truncated: its header needs {end} bytes of data, the file has {data_size}",
                            hint="delete it and download or convert again")
     return header
 

@@ -214,8 +214,10 @@ def _from_cache(repo: str, revision: str | None, reason: str, cause: BaseExcepti
     return _check_dir(path, label)
 
 
-def download_model(repo: str, revision: str | None = None, *, progress: Progress | None = None) -> Path:
+def download_model(repo: str, revision: str | None = None, *, progress: Progress | None = None,
+                   force: bool = False) -> Path:
     """Download (or find in the cache) the MLX files of a Hub model repo; returns the snapshot directory.
+    ``force``: download every file again, also those in the cache (one there is damaged).
 
     ``progress("download", done_bytes, total_bytes)`` is called from worker threads while files arrive and once
     at the end with done == total (also when everything was already cached). Nothing is called when offline.
@@ -267,7 +269,7 @@ def download_model(repo: str, revision: str | None = None, *, progress: Progress
         try:
             with _quiet_hub_logs():
                 _precheck(repo, getattr(info, "sha", None) or revision, {name for name, _ in siblings})
-                path = _snapshot(repo, revision, tqdm_class=tracker.bar_class(), max_workers=4)
+                path = _snapshot(repo, revision, tqdm_class=tracker.bar_class(), max_workers=4, force_download=force)
         except MlxinferError:
             raise
         except Exception as e:  # noqa: BLE001 - _translate re-raises anything that is not a Hub/network/disk error

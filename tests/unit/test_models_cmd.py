@@ -270,3 +270,62 @@ def test_control_characters_from_model_files_never_reach_the_terminal(capsys):
     out, err = capsys.readouterr()
     assert "\x1b" not in out and "\x07" not in out and "Llama?[2J" in out and "mit?]0;pwned?" in out
     assert err == "error: model_type '?[31mred' is not known\n"
+
+
+def test_pull_refuses_a_directory_that_is_not_a_model(caches, tmp_path):
+    """`pull /etc` said "/etc: ready in /etc (133.4 MB)" with exit 0: a directory without config.json gets the line
+    `show` gives for it, and nothing on stdout."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text("hello\n")
+    proc = cli(caches, "pull", str(notes))
+    one_error_line(proc, f"{notes} has no config.json: not an MLX model directory")
+    assert proc.stdout == ""
+
+
+def _truncate_half(file: Path) -> tuple[Path, int]:
+    blob = file.resolve()  # the Hub cache's snapshot files are links to shared blobs
+    size = blob.stat().st_size
+    os.truncate(blob, size // 2)
+    return blob, size
+
+
+def test_pull_downloads_truncated_weights_again_and_generate_names_the_fix(hub, caches):
+    """A truncated blob in the Hub cache: pull said "ready" (huggingface_hub takes a blob by its name as complete)
+    and generate's hint "delete it and download again" named no command; `rm REPO@main` freed 0 B, since the blob
+    is shared with another revision. generate now names `rm REPO --yes && pull NAME`; pull fetches it again."""
+    env = caches
+    for rev in ("main", "v1"):
+        assert cli(env, "pull", f"{TINY_REPO}@{rev}").returncode == 0
+    blob, size = _truncate_half(Path(rows_of(env, "hub")[TINY_REPO]["location"]) / "model.safetensors")
+    one_error_line(cli(env, "generate", f"{TINY_REPO}@main", "-p", "hi"), "model.safetensors is truncated",
+                   f"get it again: mlxinfer rm {TINY_REPO} --yes && mlxinfer pull {TINY_REPO}@main")
+    proc = cli(env, "pull", f"{TINY_REPO}@main")
+    assert proc.returncode == 0 and "ready in" in proc.stdout, proc.stderr
+    assert blob.stat().st_size == size
+    assert cli(env, "show", f"{TINY_REPO}@v1").returncode == 0  # the other revision shares the blob: repaired too
+
+
+def test_pull_imports_a_truncated_gguf_copy_again(caches, smollm2_dir, bundled_gguf, monkeypatch):
+    """A truncated model.safetensors in a GGUF import copy: `pull smollm2` said "ready"; it now imports again (the
+    conversion is faked: a copy of the real import). Named by its cache name, there is no .gguf to import from:
+    one line naming the fix."""
+    from mlxinfer import manage
+    from mlxinfer.errors import DamagedFile
+    from mlxinfer.sources import gguf_import
+
+    copy = Path(caches["MLXINFER_CACHE"]) / "gguf" / smollm2_dir.name
+    shutil.copytree(smollm2_dir, copy)
+    _truncate_half(copy / "model.safetensors")
+    one_error_line(cli(caches, "generate", "smollm2", "-p", "hi"), "model.safetensors is truncated",
+                   "get it again: mlxinfer rm smollm2 --yes && mlxinfer pull smollm2")
+    monkeypatch.setenv("MLXINFER_CACHE", caches["MLXINFER_CACHE"])
+    fix = rf"remove it \(mlxinfer rm {bundled_gguf.name} --yes\), then mlxinfer pull the .gguf file"
+    with pytest.raises(DamagedFile, match=fix):
+        manage.pull(manage.resolve(bundled_gguf.name))
+    converted = []
+    monkeypatch.setattr(gguf_import, "convert_gguf",
+                        lambda src, out, progress=None: converted.append(src) or shutil.copytree(smollm2_dir, out))
+    assert manage.pull(manage.resolve("smollm2")) == copy and converted == [bundled_gguf]
+    assert (copy / "model.safetensors").stat().st_size == (smollm2_dir / "model.safetensors").stat().st_size
+
