@@ -97,6 +97,26 @@ def _quant(config: dict) -> str:
     return f"{q['bits']}-bit" if isinstance(q, dict) and "bits" in q else ""
 
 
+def _refused(repo_path: Path) -> str | None:
+    """Why pull refused a Hub repo, in a few words, from the config files it fetched before the weights (the checks
+    of ``sources.hub._precheck``); None when nothing there is refused (a download cut short)."""
+    from .engine.model_checks import check_config, read_config
+    from .engine.trust import check_no_remote_code
+
+    for folder in sorted(Path(repo_path, "snapshots").glob("*/")):
+        if not (folder / "config.json").is_file():
+            continue
+        try:
+            check_config(folder, read_config(folder))
+        except MlxinferError:
+            return "its config.json is broken"
+        try:
+            check_no_remote_code(folder)
+        except MlxinferError:
+            return "it needs code that comes with the model, which mlxinfer never runs"
+    return None
+
+
 def cache_rows(registry: Registry) -> list[ModelRow]:
     """Hub repos MLX can load (huggingface_hub's cache scan) and GGUF imports, whichever aliases name them."""
     from .sources.cache import gguf_imports, hub_models
@@ -121,8 +141,10 @@ def cache_rows(registry: Registry) -> list[ModelRow]:
             kind="hub", name=m.name, revisions=m.revisions, aliases=by_repo.get(m.name, []),
         ))
     for m in unfinished:  # listed, or their space could only be found by knowing the name
+        why = _refused(m.path)
         rows.append(ModelRow(
-            alias=None, description=f"incomplete download (mlxinfer pull {m.name} finishes it, rm removes it)",
+            alias=None, description=f"refused by pull: {why} (mlxinfer rm {m.name} removes it)" if why else
+            f"incomplete download (mlxinfer pull {m.name} finishes it, rm removes it)",
             params="", quant="", source=m.name, on_disk=False, disk_bytes=m.disk_bytes, location=str(m.path),
             origin="hub cache", kind="hub", name=m.name, aliases=by_repo.get(m.name, []),
         ))

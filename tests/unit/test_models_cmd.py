@@ -329,3 +329,18 @@ def test_pull_imports_a_truncated_gguf_copy_again(caches, smollm2_dir, bundled_g
     assert manage.pull(manage.resolve("smollm2")) == copy and converted == [bundled_gguf]
     assert (copy / "model.safetensors").stat().st_size == (smollm2_dir / "model.safetensors").stat().st_size
 
+
+def test_models_says_a_repo_was_refused_not_incomplete(hub, caches, tiny_dir):
+    """A repo whose pull was refused for custom code (its config files are cached, not its weights) was listed as
+    "incomplete download (mlxinfer pull ... finishes it)": that pull is refused again. It now says why."""
+    files = {p.name: p for p in tiny_dir.iterdir() if p.is_file()}
+    tok = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    tok["auto_map"] = {"AutoTokenizer": ["tok_evil.Evil", None]}
+    files["tokenizer_config.json"] = json.dumps(tok).encode()
+    hub.add_repo("mlx-test/evil", files)
+    one_error_line(cli(caches, "pull", "mlx-test/evil"), "'auto_map'", "never runs code")
+    row = rows_of(caches, "hub")["mlx-test/evil"]
+    assert row["description"] == ("refused by pull: it needs code that comes with the model, which mlxinfer never "
+                                  "runs (mlxinfer rm mlx-test/evil removes it)")
+    assert cli(caches, "rm", "mlx-test/evil", "--yes").returncode == 0 and rows_of(caches, "hub") == {}
+
