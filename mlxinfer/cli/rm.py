@@ -45,7 +45,11 @@ def rm_cmd(
             print("nothing removed", file=sys.stderr)
             raise typer.Exit(1)
     freed = execute(removal)
-    print(f"removed {removal.label} ({format_bytes(freed)} freed)")
+    if removal.imports:  # the user's .gguf is never touched: say what went
+        print(f"removed the imported copy of {removal.label} ({format_bytes(freed)} freed); "
+              "the .gguf file itself is untouched")
+    else:
+        print(f"removed {removal.label} ({format_bytes(freed)} freed)")
 
 
 def register(app: typer.Typer) -> None:

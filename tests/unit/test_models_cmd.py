@@ -344,3 +344,16 @@ def test_models_says_a_repo_was_refused_not_incomplete(hub, caches, tiny_dir):
                                   "runs (mlxinfer rm mlx-test/evil removes it)")
     assert cli(caches, "rm", "mlx-test/evil", "--yes").returncode == 0 and rows_of(caches, "hub") == {}
 
+
+def test_rm_of_a_gguf_says_only_the_import_copy_went(caches, smollm2_dir, bundled_gguf, tmp_path):
+    """`rm ./smol.gguf` said "removed ./smol.gguf": the user's file is still there, only the import copy went."""
+    gguf = tmp_path / "smol.gguf"
+    os.symlink(bundled_gguf, gguf)  # the same content: the import copy is found by digest
+    gguf_cache = Path(caches["MLXINFER_CACHE"]) / "gguf"
+    gguf_cache.mkdir(parents=True)
+    shutil.copytree(smollm2_dir, gguf_cache / smollm2_dir.name)
+    proc = cli(caches, "rm", str(gguf), "--yes")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"removed the imported copy of {gguf} (") and gguf.is_file()
+    assert proc.stdout.rstrip().endswith("freed); the .gguf file itself is untouched")
+
