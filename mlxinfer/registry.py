@@ -66,6 +66,12 @@ def user_registry_path() -> Path:
     return Path(base) / "mlxinfer" / "models.toml"
 
 
+def missing_user_registry() -> str | None:
+    """$MLXINFER_MODELS when it names no file: a typo there hides every alias of the user's file."""
+    value = os.environ.get("MLXINFER_MODELS")
+    return value if value and not user_registry_path().exists() else None
+
+
 def _read_toml(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
@@ -179,8 +185,8 @@ class Registry:
             return ModelSpec(name=arg, kind="hub", repo=repo, revision=rev or None)
         near = self.closest(arg)
         hint = f"did you mean '{near}'? " if near else ""
-        if os.environ.get("MLXINFER_MODELS") and not user_registry_path().exists():  # a typo hides every alias
-            hint += f"MLXINFER_MODELS names {os.environ['MLXINFER_MODELS']}, which does not exist; "
+        if missing_user_registry():
+            hint += f"MLXINFER_MODELS names {missing_user_registry()}, which does not exist; "
         raise ModelNotFound(
             f"unknown model '{arg}'",
             hint=f"{hint}run 'mlxinfer models' for aliases, or give a Hub repo id (org/name) or a path",

@@ -25,8 +25,11 @@ def models_cmd(
                                           "alias, hub or gguf).")] = False,
 ):
     from ..models_info import list_models
-    from ..registry import Registry, user_registry_path
+    from ..registry import Registry, missing_user_registry, user_registry_path
 
+    if missing_user_registry():
+        print(f"warning: MLXINFER_MODELS names {missing_user_registry()}, which does not exist: only the packaged "
+              "aliases are listed (fix the path or unset it)", file=sys.stderr)
     registry = Registry.load()
     rows = list_models(registry)
     if as_json:

@@ -357,3 +357,11 @@ def test_rm_of_a_gguf_says_only_the_import_copy_went(caches, smollm2_dir, bundle
     assert proc.stdout.startswith(f"removed the imported copy of {gguf} (") and gguf.is_file()
     assert proc.stdout.rstrip().endswith("freed); the .gguf file itself is untouched")
 
+
+def test_models_warns_when_mlxinfer_models_names_no_file(caches, tmp_path):
+    """MLXINFER_MODELS=/nonexistent.toml hid the user's aliases without a word."""
+    missing = tmp_path / "nonexistent.toml"
+    proc = cli({**caches, "MLXINFER_MODELS": str(missing)}, "models", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)
+    assert proc.stderr == (f"warning: MLXINFER_MODELS names {missing}, which does not exist: only the packaged "
+                           "aliases are listed (fix the path or unset it)\n")
