@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from ..errors import InvalidParameter
@@ -421,7 +422,18 @@ def check_writable(path: Path) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise InvalidParameter(f"output {path} is a directory", hint="give a file name")
+    if parent.exists() and not parent.is_dir():
+        raise InvalidParameter(f"cannot write {path}: {parent} is not a folder", hint="choose another path")
     if not parent.is_dir():
         raise InvalidParameter(f"cannot write {path}: folder {parent} does not exist", hint="create it first")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise InvalidParameter(f"cannot write {path}: permission denied", hint="choose another path")
+    # Tried for real, not with os.access (which passes for root in /sys and cannot see /proc): the report is
+    # written when the run ends, and a path found unwritable then lost the whole run's results.
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+        if path.exists():
+            os.close(os.open(path, os.O_WRONLY))
+    except OSError as e:
+        raise InvalidParameter(f"cannot write {path}: {(e.strerror or str(e)).lower()}",
+                               hint="choose another path") from None

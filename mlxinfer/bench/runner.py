@@ -80,6 +80,8 @@ class BenchOptions:
         if self.bandwidth_gbps is not None and not 0 < self.bandwidth_gbps < float("inf"):
             raise InvalidParameter(f"invalid bandwidth {self.bandwidth_gbps}: must be a finite number > 0 (GB/s)")
         if self.prompt_file is not None:
+            if Path(self.prompt_file).is_dir():
+                raise InvalidParameter(f"prompt file {self.prompt_file} is a folder", hint="give a text file")
             if not Path(self.prompt_file).is_file():
                 raise InvalidParameter(f"prompt file {self.prompt_file} does not exist", hint="check the path")
             try:
@@ -144,7 +146,8 @@ def run_bench(specs: list, opts: BenchOptions, *, load: Callable | None = None, 
     check_threads(opts.threads, opts.kernels)
     cases = opts.cases()
     if not cases:
-        raise InvalidParameter("nothing to run", hint="give -p/-n lengths or --prefix-cache lengths")
+        raise InvalidParameter("nothing to run", hint="give -p/-n lengths above 0" if opts.llama else
+                               "give -p/-n lengths or --prefix-cache lengths")
     from ..engine.backend import backend
 
     for spec in specs:

@@ -97,7 +97,16 @@ def expand_cases(
 ) -> list[Case]:
     """Every combination of the lists: single-stream cases (or batch cases when ``batches`` is given), then one
     prefix-cache case per (prefix, prompt). ``split``: llama-bench's tests instead, ppP and tgN per depth
-    (a length of 0 is skipped, as in llama-bench)."""
+    (a length of 0 is skipped, as in llama-bench). More than MAX_CASES tests in all are refused before any is
+    made (each list alone is capped, their product was not: -p 1-4000 -n 1-4000 was 16 million tests)."""
+    if split:
+        count = len(depths) * (sum(p > 0 for p in prompts) + sum(n > 0 for n in gens))
+    else:
+        count = len(depths) * len(prompts) * len(gens) * (1 if batches is None else len(batches))
+    count += len(prefixes) * len(prompts)
+    if count > MAX_CASES:
+        raise InvalidParameter(f"the lists make {count:,} tests (every combination of -p, -n, -d, -b)",
+                               hint=f"use at most {MAX_CASES:,}: shorter lists or coarser ranges")
     cases: list[Case] = []
     for d in depths:
         if split:

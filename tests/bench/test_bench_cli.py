@@ -41,7 +41,13 @@ def no_loading(monkeypatch):
     (["-t", "0"], "invalid thread count 0"),
     (["-t", "1,2", "--kernels", "builtin"], "-t sets the worker threads of the native CPU kernels, which do not run"),
     (["--llama-bench", "-b", "2"], "--llama-bench runs ppP and tgN tests only"),
-    (["--llama-bench", "-p", "0", "-n", "0"], "nothing to run"),
+    (["--llama-bench", "-p", "0", "-n", "0"], "nothing to run (give -p/-n lengths above 0)"),
+    # the bench/serve audit: each list was capped, their product was not; a folder was "does not exist"; the
+    # output was found unwritable only when the run ended (os.access passes for root in /sys, cannot see /proc)
+    (["-p", "1-4000", "-n", "1-4000"], "the lists make 16,000,000 tests"),
+    (["--prompt-file", "/"], "prompt file / is a folder"),
+    (["-o", "/proc/out.json"], "cannot write /proc/out.json"),
+    (["-o", "/dev/null/out.json"], "/dev/null is not a folder"),
     (["--kv-bits", "3"], "invalid --kv-bits 3: use 4 or 8"),
     (["--max-kv-size", "9000"], "invalid --max-kv-size 9000: must be between 32 and 8192"),
     (["--kv-bits", "8", "-b", "2"], "--kv-bits / --max-kv-size apply to single-stream tests"),
