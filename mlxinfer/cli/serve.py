@@ -13,6 +13,8 @@ from ..serve.prefix_cache import DEFAULT_MB as DEFAULT_PREFIX_MB
 from . import options as o
 from .chat import Pipeline
 
+MAX_PARALLEL = 1024  # sequences in one batch: far past where batched decode gains, on any one machine
+
 
 def _warn(line: str) -> None:
     """The engine's warnings (an error it recovered from), one line on stderr beside uvicorn's log."""
@@ -76,6 +78,9 @@ def serve_cmd(
         if origin != "*" and not re.fullmatch(r"https?://[^/\s?#]+", origin):
             raise InvalidParameter(f"invalid --allow-origin {origin!r}",
                                    hint="give scheme://host[:port], e.g. http://localhost:3000, or '*'")
+    if parallel > MAX_PARALLEL:  # (100000000 was taken: the banner said "parallel 100000000")
+        raise InvalidParameter(f"invalid --parallel {parallel}: must be at most {MAX_PARALLEL}",
+                               hint="a few per core is where batched decode stops gaining on a CPU; tens on a GPU")
     if prefill_chunk > ROUND_MAX:
         raise InvalidParameter(f"invalid --prefill-chunk {prefill_chunk}: must be at most {ROUND_MAX}")
     for name, value in (("--timeout", timeout), ("--grace", grace)):

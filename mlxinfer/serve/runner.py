@@ -19,6 +19,8 @@ FORCE_AFTER_S = 3.0  # after a second signal: how long the running requests get 
 def check_bind(host: str, port: int, api_key: str | None) -> int:
     """Refuse what should not start: a non-loopback address without an API key, a port that is taken. Returns
     the port to serve on: ``port``, or for 0 the free one the system gave the probe (announced, then bound)."""
+    if not host.strip():
+        raise InvalidParameter("empty --host", hint="give an address, e.g. 127.0.0.1 (the default) or 0.0.0.0")
     if not is_loopback_name(host) and not api_key:
         raise InvalidParameter(f"refusing to listen on {host} without an API key",
                                hint="pass --api-key KEY (or set MLXINFER_API_KEY), or bind 127.0.0.1")

@@ -95,8 +95,9 @@ class Engine:
             # --parallel run and --queue-size wait: counted together, so a burst that arrives before the engine
             # thread admits any (all of it still waiting) is bounded too.
             if busy + len(self._waiting) >= self.parallel + self.queue_size:
-                raise ApiError(429, f"the server is busy ({busy} sequences running, {len(self._waiting)} requests "
-                               "queued); retry later", code="queue_full")
+                queued = len(self._waiting)
+                raise ApiError(429, f"the server is busy ({busy} sequence{'s' * (busy != 1)} running, {queued} "
+                               f"request{'s' * (queued != 1)} queued); retry later", code="queue_full")
             self._waiting.append(ticket)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cond.notify()
@@ -389,7 +390,8 @@ class Engine:
         if self._ending(time.perf_counter()):
             return ApiError(503, "the server is shutting down before this request finished (its --grace ran out)",
                             code="shutting_down")
-        return ApiError(503, "the request timed out" + (" in the queue" if queued else ""), code="timeout")
+        return ApiError(503, "the request timed out" + (" in the queue" if queued else "") +
+                        (f" (the server's --timeout is {self.timeout:g} s)" if self.timeout else ""), code="timeout")
 
     def _fail_all(self, error: Exception | None) -> None:
         """An exception in a step (or the engine stopping) ends every request it holds with a 500/503."""

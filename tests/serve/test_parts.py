@@ -192,6 +192,7 @@ def test_a_burst_is_bounded_by_parallel_plus_queue_size():
     finally:
         loop.close()
     assert e.value.status == 429 and e.value.code == "queue_full"
+    assert "(0 sequences running, 5 requests queued)" in e.value.message  # (it said "1 sequences")
 
 
 def test_json_nested_too_deeply_is_a_400():

@@ -185,6 +185,7 @@ def test_timeouts_get_503_and_sigterm_drains_running_requests_and_exits_0(tmp_pa
         assert_openai_error(r, 503, "timeout")
         assert time.monotonic() - t0 < 30
         assert results["events"][-1]["error"]["code"] == "timeout"  # the stream ends with OpenAI's error object
+        assert "(the server's --timeout is 4 s)" in results["events"][-1]["error"]["message"]  # (a bare "timed out")
         assert _wait(lambda: srv.health()["running"] == 0)
 
         with httpx.Client(timeout=60) as client:
@@ -248,6 +249,9 @@ def test_public_address_without_key_refuses_to_start():
 
 @pytest.mark.parametrize("flags, said", [
     (["--parallel", "0"], "error: invalid --parallel 0: must be >= 1"),
+    (["--parallel", "100000000"], "error: invalid --parallel 100000000: must be at most 1024 (a few per core is "
+                                  "where batched decode stops gaining on a CPU; tens on a GPU)"),
+    (["--host", ""], "error: empty --host (give an address, e.g. 127.0.0.1 (the default) or 0.0.0.0)"),
     (["--prefill-chunk", "99999"], "error: invalid --prefill-chunk 99999: must be at most 2048"),
     (["--allow-origin", "not a url"], "error: invalid --allow-origin 'not a url' (give scheme://host[:port], "
                                       "e.g. http://localhost:3000, or '*')"),
