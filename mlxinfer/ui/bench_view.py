@@ -55,6 +55,7 @@ class BenchProgress:
 
 
 def print_bench(records: list[dict], baseline, saved: Path | None) -> None:
+    from rich.cells import cell_len
     from rich.console import Console
     from rich.table import Table
 
@@ -65,10 +66,25 @@ def print_bench(records: list[dict], baseline, saved: Path | None) -> None:
     def table(title, columns, rows, numeric_from: int):
         t = Table(title=title, title_justify="left", header_style="bold")
         for i, c in enumerate(columns):
-            t.add_column(c, justify="right" if i >= numeric_from else "left")
+            t.add_column(c, justify="right" if i >= numeric_from else "left", no_wrap=True)
         for row in rows:
             t.add_row(*row)
-        console.print(t)
+        widths = [max(cell_len(str(v)) for v in (c, *(r[i] for r in rows))) for i, c in enumerate(columns)]
+        if sum(widths) + 3 * len(widths) + 1 <= console.width:  # cells, padding and borders on one line each
+            console.print(t)
+            return
+        # Too wide for this terminal: Rich cut every cell ("pp16+…" on each row, "8.2/1…" at 80 columns), so
+        # each row is printed as a block of "column  value" lines instead.
+        if title:
+            console.print(title, style="bold", markup=False)
+        for row in rows:
+            block = Table(show_header=False, box=None, pad_edge=False)
+            block.add_column(style="bold", no_wrap=True)
+            block.add_column(overflow="fold")
+            for c, v in zip(columns, row):
+                block.add_row(" ".join(c.split()), v)
+            console.print(block)
+            console.print()
 
     for line in report.provenance_lines(records):
         console.print(line, style="dim", markup=False)

@@ -309,3 +309,21 @@ def test_a_prefill_only_test_records_no_decode_figures(records):
     for fmt in ("md", "csv", "json"):
         report.render(records + [pp], fmt)  # every format takes it
     assert report.render([pp], "md").count("| - |") >= 1
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_results_table_is_never_cut_on_a_narrow_terminal(records, capsys, monkeypatch, width):
+    """At 80 columns Rich cut every cell: the test column read "pp16+…" on each row and ITL "8.2/1…". A table too
+    wide for the terminal is printed as one block of "column  value" lines per row instead."""
+    from mlxinfer.bench import report
+    from mlxinfer.ui.bench_view import print_bench
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    print_bench(records, None, None)
+    out = capsys.readouterr().out
+    assert "…" not in out
+    columns, rows = report.summary_table(records, compact=True)
+    for row in rows:
+        for cell in row:
+            assert cell in out
+    assert all(len(line) <= width for line in out.splitlines())
