@@ -60,6 +60,12 @@ class Terminated(KeyboardInterrupt):
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # not \t or \n: "\ninterrupted" starts a fresh line
 
 
+def one_line(error: BaseException) -> str:
+    """A library's exception text on one line: transformers' can run to six, and its first line alone stops
+    mid-sentence ("... from one of:")."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def printable(text: str) -> str:
     """Text from model files (names, licenses, error lines quoting them) with control characters shown as '?': an
     ESC sequence in a config could clear the screen or retitle the terminal when printed raw."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .._resources import data_path
-from ..errors import InvalidModel, MlxinferError
+from ..errors import InvalidModel, MlxinferError, one_line
 
 Progress = Callable[[str, int, int], None]
 SAMPLE_FILE = "eval_sample.txt"
@@ -115,7 +115,7 @@ def evaluate(
         except MlxinferError:
             raise
         except Exception as e:  # noqa: BLE001 - transformers raises many types for tokenizers it cannot build
-            raise InvalidModel(f"cannot load the tokenizer in {source_dir} for the quality check: {e}",
+            raise InvalidModel(f"cannot load the tokenizer in {source_dir} for the quality check: {one_line(e)}",
                                hint="convert with --no-eval") from None
     ids = sample_tokens(tokenizer, max_tokens)
     if len(ids) < 2:

@@ -16,6 +16,8 @@ from ..registry import ModelSpec, Registry
 
 Progress = Callable[[str, int, int], None]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# Any one of these holds a vocabulary transformers can build a tokenizer from (tokenizer_config.json alone cannot).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "tiktoken.model")
 _SNAPSHOT_RE = re.compile(r"/snapshots/([0-9a-f]{40})/?$")
 
 
@@ -67,6 +69,9 @@ def check_hf_dir(path: Path) -> dict:
             "mlxinfer never runs code from a model", hint="pick a model whose architecture mlx-lm supports",
         )
     _check_architecture(path, config)
+    if not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):  # the output could load but never run
+        raise InvalidModel(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json or "
+                           "*.tiktoken)", hint="copy them from the original model into that folder")
     from ..engine.trust import check_no_remote_code  # tokenizer auto_map / custom tokenizer_class too (issue #12)
     check_no_remote_code(path)
     return config

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import DamagedFile, InvalidModel, MlxinferError
+from ..errors import DamagedFile, InvalidModel, MlxinferError, one_line
 from ..registry import ModelSpec, Registry
 from .backend import activation_dtype, backend, keep_freed_buffers
 
@@ -245,8 +245,7 @@ def load(
     except MlxinferError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers raises many types for broken tokenizer files
-        msg = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        raise InvalidModel(f"cannot load the tokenizer in {path}: {msg}",
+        raise InvalidModel(f"cannot load the tokenizer in {path}: {one_line(e)}",
                            hint="the tokenizer files may be broken; download or convert the model again") from None
 
     from ..kernels.patch import apply_kernels

@@ -236,14 +236,31 @@ def test_fake_hub_source(llama_src, tmp_path, monkeypatch):
     assert "pytorch_model.bin" not in fetched and "modeling_x.py" not in fetched
 
 
-def test_quality_check_failure(llama_src, tmp_path):
+def test_a_source_without_tokenizer_files_is_refused_before_writing(llama_src, tmp_path):
+    """It converted with exit 0 into a model that `generate` could not load."""
     src = tmp_path / "notok"
     shutil.copytree(llama_src, src)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (src / name).unlink()
-    # on by default (a small model): a failing check is a note, the conversion is kept
+    with pytest.raises(InvalidModel, match="has no tokenizer files") as err:
+        convert(str(src), tmp_path / "out", ConvertOptions(bits=4, eval_tokens=16))
+    assert "\n" not in str(err.value) and err.value.hint
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_quality_check_failure(llama_src, tmp_path, monkeypatch):
+    import mlxinfer.engine.trust as trust
+
+    def broken(*a, **k):  # transformers' own words, six lines of them
+        raise ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` library "
+                         "serialization file, \n(2) a slow tokenizer instance to convert or \n(3) ...")
+
+    monkeypatch.setattr(trust, "load_tokenizer", broken)
+    src = llama_src
+    # on by default (a small model): a failing check is a note (one line), the conversion is kept
     r = convert(str(src), tmp_path / "auto", ConvertOptions(bits=4, eval_tokens=16))
-    assert r.quality is None and any("quality check skipped" in n for n in r.notes)
+    assert r.quality is None and any("quality check skipped" in n and "(3) ..." in n for n in r.notes)
+    assert not any("\n" in n for n in r.notes)
     assert (r.out_dir / "config.json").exists()
     # asked for with --eval: it is an error, and nothing is left behind
     with pytest.raises(InvalidModel, match="--no-eval"):
