@@ -72,6 +72,9 @@ def model_card(meta: dict, quality_rows: list[tuple[str, str]] | None) -> str:
 
 
 def check_alias(name: str) -> None:
+    if not name.strip():
+        raise InvalidParameter("--alias is empty", hint="give the name to add to models.toml, e.g. --alias my-model, "
+                               "or drop --alias")
     if not _ALIAS_RE.match(name):
         raise InvalidParameter(f"alias '{name}' may only use letters, digits, '-' and '_'")
 

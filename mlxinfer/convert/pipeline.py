@@ -241,7 +241,7 @@ def convert(
     recipe = plan_recipe(opts)
     if opts.dtype and opts.dtype not in DTYPES:
         raise InvalidParameter(f"--dtype {opts.dtype} is not supported", hint=f"use one of {', '.join(DTYPES)}")
-    if opts.alias:
+    if opts.alias is not None:  # '' too: refused like an empty -o, not skipped
         card.check_alias_free(opts.alias, opts.force)
     if opts.shard_bytes < 1:
         raise InvalidParameter("the shard size must be positive", hint="write --shard-size like 512MB or 2GB")
@@ -266,7 +266,7 @@ def convert(
         staging.publish(replace=True)
 
     alias_file = None
-    if opts.alias:
+    if opts.alias is not None:
         alias_file = card.add_alias(opts.alias, out, description=f"converted from {info.label}",
                                     quant=recipe.label() if recipe else (dtype or ""), replace=opts.force)
     return ConvertResult(

@@ -118,6 +118,9 @@ def resolve_source(arg: str, *, revision: str | None = None, registry: Registry 
     if spec.kind == "hub":
         from ..sources.hub import download_model
 
+        if revision and spec.revision and revision != spec.revision and not spec.alias:
+            raise InvalidParameter(f"{arg} names revision {spec.revision} and --revision names {revision}",
+                                   hint=f"give the revision once: {spec.repo}@{revision}, or drop --revision")
         rev = revision or spec.revision
         path = download_model(spec.repo, rev, progress=progress)
         check_hf_dir(path)

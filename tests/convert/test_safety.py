@@ -118,11 +118,26 @@ def test_python_files_are_not_copied(llama_src, tmp_path):
     (dict(dequantize=True, requantize=True), "--requantize cannot be combined with --dequantize"),
     (dict(bits=8, revision="main"), "--revision main applies to Hub sources only"),
     (dict(dtype="float64"), "float64"),
+    (dict(bits=8, alias=""), r"^--alias is empty"),  # was skipped: converted, no alias added, exit 0
 ])
 def test_bad_options_fail_before_any_work(llama_src, tmp_path, opts, match):
     with pytest.raises(InvalidParameter, match=match):
         convert(str(llama_src), tmp_path / "out", ConvertOptions(**opts))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_revision_given_twice_must_agree(tmp_path, monkeypatch):
+    """org/name@v1 --revision main used main without a word."""
+    from mlxinfer.sources import hub
+
+    fetched = []
+    monkeypatch.setattr(hub, "download_model", lambda repo, rev, **k: fetched.append(rev) or 1 / 0)
+    with pytest.raises(InvalidParameter, match=r"^mlx-test/tiny@v1 names revision v1 and --revision names main"):
+        convert("mlx-test/tiny@v1", tmp_path / "out", ConvertOptions(dequantize=True, revision="main"))
+    assert fetched == [] and list(tmp_path.iterdir()) == []
+    with pytest.raises(ZeroDivisionError):  # the same revision twice is no conflict
+        convert("mlx-test/tiny@v1", tmp_path / "out", ConvertOptions(dequantize=True, revision="v1"))
+    assert fetched == ["v1"]
 
 
 def test_dequantize_needs_a_quantized_source(llama_src, tmp_path):
