@@ -198,6 +198,9 @@ def apply_recipe(model, recipe: R.Recipe) -> dict:
 
     d = recipe.default
     section = d.as_dict()
+    if recipe.mlx_lm is None:  # a built-in's rules only describe mlx-lm's choices: some name other architectures
+        paths = [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]
+        R.check_rules_select(recipe, paths, R.count_layers(model))
     decide = R.predicate(recipe, model)
     model_rule = getattr(model, "quant_predicate", None)
 

@@ -295,6 +295,33 @@ def setting_for(recipe: Recipe, path: str, n_layers: int) -> QuantSetting | None
     return recipe.default
 
 
+def check_rules_select(recipe: Recipe, paths: list[str], n_layers: int) -> None:
+    """Refuse a rule that selects none of ``paths`` (the model's quantizable layers): a typo in match or a layer
+    this model does not have converted with exit 0, the rule silently doing nothing."""
+    for i, rule in enumerate(recipe.rules):
+        where = f"{recipe.source} rule {i + 1} (match '{rule.match}'"
+        wanted = rule.layers if isinstance(rule.layers, list) else _parse_range(rule.layers or "") or []
+        missing = [x for x in wanted if not -n_layers <= x < n_layers]
+        if missing:
+            raise ConfigError(f"{where}, layers {_toml_layers(rule.layers)}) names layer {missing[0]}, but this model "
+                              f"has layers 0-{n_layers - 1}",
+                              hint=f"use 0 to {n_layers - 1}, or -1 to -{n_layers} counting from the last")
+        matched = [p for p in paths if path_matches(rule.match, p)]
+        if not matched:
+            example = next((p for p in paths if layer_index(p) is not None), paths[0] if paths else "lm_head")
+            raise ConfigError(f"{where}) selects no layer of this model",
+                              hint=f"match is a glob on layer paths such as {example}")
+        if not any(layer_selected(rule.layers, layer_index(p), n_layers) for p in matched):
+            numbered = any(layer_index(p) is not None for p in matched)
+            raise ConfigError(f"{where}, layers {_toml_layers(rule.layers)}) selects no layer of this model",
+                              hint=f"this model has layers 0-{n_layers - 1}" if numbered else
+                              f"'{rule.match}' has no layer number: drop layers from this rule")
+
+
+def _toml_layers(layers: Any) -> str:
+    return f'"{layers}"' if isinstance(layers, str) else str(layers)
+
+
 def count_layers(model) -> int:
     layers = getattr(model, "layers", None)
     try:

@@ -138,6 +138,16 @@ group_size = 64
     assert "test-rules" in r.recipe
 
 
+def test_toml_rule_that_selects_nothing_writes_nothing(llama_src, tmp_path):
+    from mlxinfer.errors import ConfigError
+
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nmatch = "mlp.*_proj"\nlayers = [0, 99]\nbits = 8\n')
+    with pytest.raises(ConfigError, match="names layer 99, but this model has layers 0-7"):
+        convert(str(llama_src), tmp_path / "out", ConvertOptions(recipe=str(rules), eval=False))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rules.toml"]
+
+
 def test_dequantize_round_trip(llama_src, tmp_path):
     q8 = convert(str(llama_src), tmp_path / "q8", ConvertOptions(bits=8, eval=False)).out_dir
     r = convert(str(q8), tmp_path / "deq", ConvertOptions(dequantize=True, eval_tokens=EVAL))

@@ -93,3 +93,22 @@ def test_validation_of_rule_settings(tmp_path):
     with pytest.raises(ConfigError, match="invalid TOML"):
         R.load_recipe(str(f))
     assert "affine" in R.available_modes()
+
+
+_PATHS = ["model.embed_tokens", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "lm_head"]
+
+
+@pytest.mark.parametrize("rule, match", [
+    ({"match": "nomatch_xyz"}, r"^t.toml rule 1 \(match 'nomatch_xyz'\) selects no layer of this model \("),
+    ({"match": "down_proj", "layers": [0, 99]}, r"names layer 99, but this model has layers 0-1 \(use 0 to 1"),
+    ({"match": "down_proj", "layers": "1-5"}, "names layer 5, but this model has layers 0-1"),
+    ({"match": "down_proj", "layers": [-3]}, "names layer -3"),
+    ({"match": "lm_head", "layers": "first"}, r"selects no layer of this model \('lm_head' has no layer number"),
+])
+def test_a_rule_that_selects_nothing_is_refused(rule, match):
+    """Such a rule was accepted and did nothing (exit 0, "1 rules" in the report)."""
+    recipe = R.parse_recipe({"rule": [{"match": "lm_head", "bits": 8}, {**rule, "bits": 6}]}, "t.toml")
+    with pytest.raises(ConfigError, match=match.replace("rule 1", "rule 2")) as err:
+        R.check_rules_select(recipe, _PATHS, 2)
+    assert err.value.hint
+    R.check_rules_select(R.parse_recipe({"rule": [{"match": "down_proj", "layers": [0, -2]}]}, "t.toml"), _PATHS, 2)
