@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ._resources import data_path
-from .errors import ConfigError, ModelNotFound
+from .errors import ConfigError, ModelNotFound, printable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,6 +31,21 @@ DEFAULT_KEYS = (
     "system", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "chat_template",
 )
 _REPO_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+(@[\w.\-/]+)?$")
+# An alias is a word on the command line: no '/', '@' or whitespace (a path or a Hub repo id), no leading '.' or '-'
+# (a hidden file, an option).
+_ALIAS_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+ALIAS_EXAMPLE = "e.g. my-model or qwen3-0.6b-4bit"
+
+
+def alias_problem(name: str) -> str | None:
+    """Why ``name`` cannot be an alias, or None: the one rule for models.toml and ``convert --alias``."""
+    if _ALIAS_RE.fullmatch(name):
+        return None
+    if name[:1] in (".", "-"):
+        return "may not start with '.' or '-'"
+    if len(name) > 100:
+        return "is longer than 100 characters"
+    return "may only use letters, digits, '.', '-' and '_'"
 
 
 @dataclass(frozen=True)
@@ -131,6 +146,10 @@ class Registry:
             if not isinstance(models, dict):
                 raise ConfigError(f"{path}: 'models' must be a table of [models.ALIAS] entries")
             for alias, entry in models.items():
+                problem = alias_problem(alias)
+                if problem:
+                    raise ConfigError(f"{path}: alias {printable(repr(alias))} {problem}",
+                                      hint=f"rename that [models.\"...\"] table, {ALIAS_EXAMPLE}")
                 if not isinstance(entry, dict):
                     raise ConfigError(f"{path}: models.{alias} must be a table")
                 merged = {**entries.get(alias, {}), **entry}

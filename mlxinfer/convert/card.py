@@ -7,11 +7,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from ..errors import ConfigError, InvalidParameter
+from ..errors import ConfigError, InvalidParameter, printable
 from ..fsutil import current_umask
-
-_ALIAS_RE = re.compile(r"^[A-Za-z0-9_-]+$")
-
 
 def card_license(directory: Path) -> str | None:
     """``license:`` from a model card's YAML front matter (``README.md``), if any."""
@@ -75,8 +72,12 @@ def check_alias(name: str) -> None:
     if not name.strip():
         raise InvalidParameter("--alias is empty", hint="give the name to add to models.toml, e.g. --alias my-model, "
                                "or drop --alias")
-    if not _ALIAS_RE.match(name):
-        raise InvalidParameter(f"alias '{name}' may only use letters, digits, '-' and '_'")
+    from ..registry import ALIAS_EXAMPLE, alias_problem
+
+    problem = alias_problem(name)
+    if problem:
+        raise InvalidParameter(f"alias {printable(repr(name))} {problem}",
+                               hint=f"pick another --alias, {ALIAS_EXAMPLE}")
 
 
 def check_alias_free(name: str, replace: bool, user_file: Path | None = None) -> None:
@@ -134,7 +135,7 @@ def add_alias(name: str, path: Path, *, description: str = "", quant: str = "", 
         text = _remove_table(text, name)
     if text and not text.endswith("\n"):
         text += "\n"
-    entry = [f"\n[models.{name}]", f"path = {_toml_str(str(Path(path).resolve()))}"]
+    entry = [f"\n[models.{_toml_str(name) if '.' in name else name}]", f"path = {_toml_str(str(Path(path).resolve()))}"]
     if description:
         entry.append(f"description = {_toml_str(description)}")
     if quant:

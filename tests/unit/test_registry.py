@@ -147,3 +147,31 @@ def test_unknown_alias_mentions_a_missing_models_file(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXINFER_MODELS", str(missing))
     with pytest.raises(ModelNotFound, match=f"MLXINFER_MODELS names {missing}, which does not exist"):
         Registry.load().resolve("my-own-model")
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("mine-0.6b", True), ("my_model", True), ("mine3.2-1b", True), ("a", True),
+    (".hidden", False), ("-x", False), ("a/b", False), ("a@b", False), ("a b", False), ("tab\tx", False),
+    ("", False), ("x" * 101, False),
+])
+def test_one_alias_rule_for_models_toml_and_convert(tmp_path, name, ok):
+    """convert --alias refused 'qwen3-0.6b' (dots), which the packaged models.toml itself uses."""
+    from mlxinfer.convert.card import add_alias, check_alias
+    from mlxinfer.errors import InvalidParameter
+    from mlxinfer.registry import alias_problem
+
+    assert (alias_problem(name) is None) == ok
+    user = tmp_path / "models.toml"
+    if ok:
+        check_alias(name)
+        add_alias(name, tmp_path, user_file=user)
+        add_alias(name, tmp_path / "again", user_file=user, replace=True)  # found and replaced, quoted or not
+        assert Registry.load(user_file=user).spec(name).path == (tmp_path / "again").resolve()
+        return
+    with pytest.raises(InvalidParameter) as err:
+        check_alias(name)
+    assert err.value.hint and "\t" not in str(err.value)
+    user.write_text(f'[models."{name}"]\npath = "m"\n'.replace("\t", "\\t"))
+    with pytest.raises(ConfigError, match=f"^{user}: alias .* (may|is)") as err:
+        Registry.load(user_file=user)
+    assert "rename that" in err.value.hint
