@@ -229,7 +229,15 @@ def _check_entry(path: Path, alias: str, e: dict) -> None:
         raise ConfigError(f"{path}: models.{alias} names a package but no file")
     unknown = sorted(set(e) - _ALLOWED)
     if unknown:
-        raise ConfigError(f"{path}: models.{alias} has unknown key(s): {', '.join(unknown)}")
+        near = {k: m[0] for k in unknown if (m := difflib.get_close_matches(k, sorted(_ALLOWED), n=1, cutoff=0.7))}
+        if len(near) == 1 and len(unknown) == 1:
+            guess = f"did you mean '{near[unknown[0]]}'? "
+        elif near:
+            guess = "did you mean " + ", ".join(f"'{v}' for '{k}'" for k, v in near.items()) + "? "
+        else:
+            guess = f"an entry may set {', '.join(sorted(_ALLOWED))}; "
+        raise ConfigError(f"{path}: models.{alias} has unknown key(s): {', '.join(unknown)}",
+                          hint=f"{guess}fix it in {path}")
     for key in _TEXT_KEYS & e.keys():
         if not isinstance(e[key], str) or (key in _SOURCE_KEYS and not e[key].strip()):
             kind = "a non-empty string" if key in _SOURCE_KEYS else "a string"

@@ -175,3 +175,16 @@ def test_one_alias_rule_for_models_toml_and_convert(tmp_path, name, ok):
     with pytest.raises(ConfigError, match=f"^{user}: alias .* (may|is)") as err:
         Registry.load(user_file=user)
     assert "rename that" in err.value.hint
+
+
+def test_unknown_key_says_what_was_meant_and_where(tmp_path):
+    """'temprature = 0.5' said only "unknown key(s): temprature"."""
+    user = _user(tmp_path, '[models.X]\npath = "m"\ntemprature = 0.5\n')
+    with pytest.raises(ConfigError) as err:
+        Registry.load(user_file=user)
+    assert err.value.args[0] == f"{user}: models.X has unknown key(s): temprature"
+    assert err.value.hint == f"did you mean 'temperature'? fix it in {user}"
+    _user(tmp_path, '[models.X]\npath = "m"\nzzz = 1\n')
+    with pytest.raises(ConfigError) as err:
+        Registry.load(user_file=user)
+    assert "an entry may set" in err.value.hint and "temperature" in err.value.hint
