@@ -196,7 +196,12 @@ class Registry:
         if p.exists():
             return ModelSpec(name=arg, kind="path", path=p.resolve())
         if arg in self._entries:
-            return self.spec(arg)
+            spec = self.spec(arg)
+            if spec.kind == "path" and not spec.path.exists():  # show, rm, pull each blamed something else
+                origin = self.origin(arg)
+                raise ModelNotFound(f"{spec.path} does not exist: alias '{arg}' in {origin} points there",
+                                    hint=f"fix its path in {origin}, or remove its [models.\"{arg}\"] table")
+            return spec
         if arg.lower().endswith(".gguf") or arg.startswith((".", "/", "~")):
             raise ModelNotFound(f"no such file or directory: {arg}", hint="check the path")
         if _REPO_RE.match(arg):

@@ -134,8 +134,8 @@ def test_non_utf8_file_is_named(tmp_path):
 
 def test_well_typed_entry_keeps_its_defaults(tmp_path):
     user = tmp_path / "models.toml"
-    user.write_text('default = "x"\n[models."x"]\npath = "m"\nparams = 135\ncontext = 64\ntemperature = 0\n'
-                    'top_p = 1\nsystem = "Be brief."\n')
+    user.write_text(f'default = "x"\n[models."x"]\npath = "{tmp_path}"\nparams = 135\ncontext = 64\n'
+                    'temperature = 0\ntop_p = 1\nsystem = "Be brief."\n')  # resolve refuses a path that is not there
     spec = Registry.load(user).resolve(None)
     assert spec.context == 64 and spec.params == "135"
     assert spec.defaults == {"temperature": 0, "top_p": 1, "system": "Be brief."}
@@ -188,3 +188,17 @@ def test_unknown_key_says_what_was_meant_and_where(tmp_path):
     with pytest.raises(ConfigError) as err:
         Registry.load(user_file=user)
     assert "an entry may set" in err.value.hint and "temperature" in err.value.hint
+
+
+@pytest.mark.parametrize("command", [["show", "gone"], ["rm", "gone", "--yes"], ["pull", "gone"],
+                                     ["generate", "gone", "-p", "hi"]])
+def test_an_alias_to_a_missing_path_says_so_everywhere(tmp_path, monkeypatch, capsys, command):
+    """show said "not a model", rm "your own file, not a cache entry", pull "not a GGUF file or a model directory"."""
+    from mlxinfer.cli.main import main
+
+    user = _user(tmp_path, '[models."gone"]\npath = "/nonexistent/model"\n')
+    monkeypatch.setenv("MLXINFER_MODELS", str(user))
+    assert main(command) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: /nonexistent/model does not exist: alias 'gone' in {user} points there (fix its path in {user}, "
+        "or remove its [models.\"gone\"] table)"]
