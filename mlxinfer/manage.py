@@ -238,7 +238,8 @@ def _not_described(target: Target) -> Exception:
     fail for a text file), a Hub or package model that it is not downloaded yet."""
     spec = target.spec
     path = spec.path if spec is not None and spec.kind == "path" else None
-    if path is not None and path.is_file() and path.suffix.lower() == ".gguf":
+    gguf = _gguf_of(spec) if spec is not None else None
+    if gguf is not None and gguf.is_file():  # (the bundled smollm2 too: "not on disk" while `models` said ✓)
         return ModelNotFound(f"{target.label} is not imported yet (a GGUF file is described once imported)",
                              hint=f"run: mlxinfer pull {target.label}")
     if path is not None and path.is_dir():

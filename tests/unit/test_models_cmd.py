@@ -257,6 +257,8 @@ def test_show_says_what_a_local_path_is(caches, tmp_path):
     one_error_line(cli(caches, "show", str(text)), "is not a model (a .gguf file or a model directory)")
     one_error_line(cli(caches, "show", str(tmp_path / "empty")), "has no config.json: not an MLX model directory")
     one_error_line(cli(caches, "show", str(gguf)), "is not imported yet", f"run: mlxinfer pull {gguf}")
+    # the bundled model on a fresh install: `models` lists it on disk (its GGUF), show said "is not on disk"
+    one_error_line(cli(caches, "show", "smollm2"), "smollm2 is not imported yet", "run: mlxinfer pull smollm2")
 
 
 def test_control_characters_from_model_files_never_reach_the_terminal(capsys):
