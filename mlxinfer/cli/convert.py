@@ -107,7 +107,7 @@ def convert_cmd(
 # Backslashes keep Rich from reading [default] / [[rule]] as markup.
 _EPILOG = (
     "Examples: mlxinfer convert Qwen/Qwen3-0.6B -o qwen3-4bit --bits 4 · "
-    "mlxinfer convert model.gguf -o m --recipe mixed_4_6 --alias mine · "
+    "mlxinfer convert model.F16.gguf -o m --recipe mixed_4_6 --alias mine · "
     "mlxinfer convert ./mlx-4bit -o ./f16 --dequantize.  "
     "A TOML recipe: \\[default] bits = 4 / \\[\\[rule]] match = \"down_proj\" "
     "layers = \"sensitive\" bits = 6 "
