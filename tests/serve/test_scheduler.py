@@ -120,7 +120,8 @@ def _run(loaded, texts: list[str], n: int, *, later: list[str] = (), after_calls
 
 
 def _alone(loaded, text: str, n: int) -> str:
-    return mlxinfer.generate(loaded, encode_prompt(loaded, text), mlxinfer.SamplingParams(temperature=0, max_tokens=n))
+    return mlxinfer.generate(loaded, encode_prompt(loaded, text), mlxinfer.SamplingParams(temperature=0, max_tokens=n),
+                             completion=True)  # the scheduler's jobs here are completions: their first space stays
 
 
 def test_a_burst_is_prefilled_in_one_batched_forward_and_decodes_as_each_alone(loaded):
