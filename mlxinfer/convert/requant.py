@@ -72,8 +72,9 @@ def check_requantize(info: SourceInfo, recipe: Recipe | None, allowed: bool) -> 
         return None
     d = recipe.default
     target_bpw = d.bits + (8 if d.mode in FIXED_MODES else 32) / d.group_size
-    cost = (f"{info.label} is already quantized ({src.label}, {src.bits_per_weight:.2f} bits per weight); "
-            f"re-quantizing it to {recipe.label()} (about {target_bpw:.2f} bits per weight)")
+    # Both rates are the matrices' (weights, scales, biases): the convert report's is the whole file's, norms too.
+    cost = (f"{info.label} is already quantized ({src.label}, {src.bits_per_weight:.2f} bits per matrix weight); "
+            f"re-quantizing it to {recipe.label()} (about {target_bpw:.2f} bits per matrix weight)")
     if d.bits > src.bits:  # more bits than the source: the rounding error added is small, the file grows
         return f"{cost} adds little error but no quality back: the source's rounding stays"
     if not allowed:

@@ -65,7 +65,7 @@ def test_requantizing_the_q4_1_gguf_needs_a_flag_and_says_what_it_costs(bundled_
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     lines = [x for x in refused.stderr.splitlines() if x.strip()]
     assert refused.returncode == 2 and len(lines) == 1, refused.stderr
-    assert "already quantized (GGUF Q4_1" in lines[0] and "about 4.50 bits per weight" in lines[0]
+    assert "already quantized (GGUF Q4_1" in lines[0] and "about 4.50 bits per matrix weight" in lines[0]
     assert "--requantize" in lines[0] and not out.exists() and list(tmp_path.iterdir()) == []
     done = subprocess.run([*cmd, "--requantize"], capture_output=True, text=True, timeout=600,
                           stdin=subprocess.DEVNULL)
