@@ -270,7 +270,15 @@ def describe(target: Target) -> dict:
                            hint="pull the model again") from None
     check_config(directory, config)  # the sizes and the quantization section the counts below use
     record = config.get("mlxinfer") if isinstance(config.get("mlxinfer"), dict) else {}
-    params = _safetensors_params(directory, config)
+    try:
+        params = _safetensors_params(directory, config)
+    except DamagedFile as e:  # a cache copy: say how to get it again (rm + pull), as generate does
+        from .engine.loader import cache_fix
+
+        fix = cache_fix(spec) if spec is not None and target.import_dir is None else None
+        if fix is None:
+            raise
+        raise DamagedFile(e.args[0], hint=fix) from None
     archs = config.get("architectures")
     archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
     source = spec.source_label() if spec is not None else str(record.get("file", directory))

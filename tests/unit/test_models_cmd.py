@@ -321,6 +321,8 @@ def test_pull_imports_a_truncated_gguf_copy_again(caches, smollm2_dir, bundled_g
     _truncate_half(copy / "model.safetensors")
     one_error_line(cli(caches, "generate", "smollm2", "-p", "hi"), "model.safetensors is truncated",
                    "get it again: mlxinfer rm smollm2 --yes && mlxinfer pull smollm2")
+    one_error_line(cli(caches, "show", "smollm2"), "model.safetensors is truncated",  # (it said "delete it and ...")
+                   "get it again: mlxinfer rm smollm2 --yes && mlxinfer pull smollm2")
     monkeypatch.setenv("MLXINFER_CACHE", caches["MLXINFER_CACHE"])
     fix = rf"remove it \(mlxinfer rm {bundled_gguf.name} --yes\), then mlxinfer pull the .gguf file"
     with pytest.raises(DamagedFile, match=fix):
