@@ -71,7 +71,9 @@ def _checked_request(loaded, prompt, params, stop) -> tuple[SamplingParams, list
     if params is not None and not isinstance(params, SamplingParams):
         raise InvalidParameter(f"params must be a SamplingParams, not {type(params).__name__}",
                                hint="e.g. SamplingParams(temperature=0, max_tokens=64)")
-    params = (params or SamplingParams()).validate()
+    from .settings import check_for_model
+
+    params = check_for_model((params or SamplingParams()).validate(), loaded)  # top_k within the vocabulary, ...
     if isinstance(prompt, str):
         tokens = encode_prompt(loaded, prompt) if prompt.strip() else []
     elif isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):  # (an mx / NumPy array of ids too)
@@ -91,15 +93,17 @@ def _checked_request(loaded, prompt, params, stop) -> tuple[SamplingParams, list
     return params, tokens, stops
 
 
-def _fit_context(loaded, prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+def _fit_context(loaded, prompt_tokens: int, params: SamplingParams, held: int = 0) -> SamplingParams:
     """A prompt must leave room for one token in the model's context; the reply stops at the context's end."""
     from ..errors import InvalidParameter
     from .settings import context_length
 
     context = context_length(loaded)
     if prompt_tokens >= context:
-        raise InvalidParameter(f"the prompt has {prompt_tokens} tokens and the model's context holds {context}",
-                               hint="shorten the prompt")
+        what = (f"the cache holds {held} tokens, the prompt has {prompt_tokens - held}," if held else
+                f"the prompt has {prompt_tokens} tokens and")
+        raise InvalidParameter(f"{what} the model's context holds {context}",
+                               hint="shorten the prompt" + (" or start a new cache" if held else ""))
     room = context - prompt_tokens
     if params.max_tokens == -1 or params.max_tokens > room:
         params = params.with_values(max_tokens=room)
@@ -120,6 +124,24 @@ def reply_detokenizer(tokenizer, *, completion: bool):
         elif isinstance(detok, BPEStreamingDetokenizer):  # (mlx-lm 0.32: its one place that trims)
             detok._maybe_trim_space = lambda text: text
     return detok
+
+
+def _cache_offset(cache, prefill_step_size) -> int | None:
+    """Tokens a given prompt cache holds (0 for none); None for a window cache that drops old tokens. Also checks
+    the two arguments, which went unchecked into the native kernels (a step of -1 wrote past the KV buffers)."""
+    from ..errors import InvalidParameter
+
+    if isinstance(prefill_step_size, bool) or not isinstance(prefill_step_size, int) or prefill_step_size < 1:
+        raise InvalidParameter(f"prefill_step_size must be a whole number >= 1, not {prefill_step_size!r}")
+    if cache is None:
+        return 0
+    if not isinstance(cache, (list, tuple)) or not cache or not all(hasattr(c, "state") for c in cache):
+        raise InvalidParameter(f"cache must be a prompt cache (a list with one mlx-lm cache per layer), not "
+                               f"{type(cache).__name__}", hint="make one with mlx_lm.models.cache.make_prompt_cache")
+    offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
+    if not offsets or any(getattr(c, "max_size", None) for c in cache):  # (a hybrid model's state caches: no count)
+        return None
+    return max(offsets)
 
 
 def stream_generate(
@@ -145,8 +167,9 @@ def stream_generate(
     from .steps import token_steps
 
     params, tokens, stop = _checked_request(loaded, prompt, params, stop)
-    if cache is None and not (kv is not None and kv.max_size):  # a fresh, whole-context cache: it must fit
-        params = _fit_context(loaded, len(tokens), params)
+    held = _cache_offset(cache, prefill_step_size)
+    if held is not None and not (kv is not None and kv.max_size):  # a whole-context cache: what it holds and the
+        params = _fit_context(loaded, held + len(tokens), params, held)  # prompt must fit (unchecked before)
     if params.seed is not None:
         mx.random.seed(params.seed)
     stats = GenerationStats(prompt_tokens=len(tokens))

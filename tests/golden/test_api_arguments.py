@@ -4,6 +4,7 @@ a reply stops at its end (it ran past the context before)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -93,3 +94,29 @@ def test_a_text_completion_keeps_its_first_space_a_chat_reply_does_not(smollm2):
     out = subprocess.run([sys.executable, "-m", "mlxinfer", "generate", "--raw", "-p", "The capital of France is",
                           "--temp", "0", "-n", "2"], capture_output=True, text=True, timeout=120).stdout
     assert out.startswith(" Paris.")
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    ({"prefill_step_size": -1}, "prefill_step_size must be a whole number >= 1, not -1"),  # heap corruption before
+    ({"prefill_step_size": 0}, "prefill_step_size must be a whole number >= 1, not 0"),
+    ({"cache": "abc"}, "cache must be a prompt cache"), ({"cache": [1, 2]}, "cache must be a prompt cache"),
+    ({"params": SamplingParams(top_k=10**6)}, "invalid top_k 1000000: must be between 0 and 49152"),
+])
+def test_every_api_argument_is_checked_before_the_kernels_see_it(smollm2, kwargs, said):
+    """A negative prefill_step_size went into the native in-place KV cache (malloc: smallbin double linked list
+    corrupted), a string cache failed deep inside, top_k above the vocabulary was taken where chat refuses it."""
+    params = kwargs.pop("params", GREEDY)
+    with pytest.raises(InvalidParameter, match=re.escape(said)):
+        mlxinfer.generate(smollm2, "hello there my friend", params, **kwargs)
+
+
+def test_a_given_cache_counts_against_the_context(smollm2):
+    """With cache= the context check was skipped: 9000 tokens went into an 8192-token model."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(smollm2.model)
+    with pytest.raises(InvalidParameter, match="the prompt has 9000 tokens and the model's context holds 8192"):
+        mlxinfer.generate(smollm2, [1] * 9000, GREEDY, cache=cache)
+    mlxinfer.generate(smollm2, [1] * 8000, GREEDY, cache=cache, prefill_step_size=2048)
+    with pytest.raises(InvalidParameter, match="the cache holds 8003 tokens, the prompt has 200, the model's"):
+        mlxinfer.generate(smollm2, [1] * 200, GREEDY, cache=cache)
