@@ -108,7 +108,8 @@ def generate_cmd(
 
 
 def read_stdin() -> str:
-    """The prompt from stdin, decoded strictly: undecodable bytes are named by position, not replaced."""
+    """The prompt from stdin, decoded strictly (undecodable bytes are named by position, not replaced), without
+    the newlines that end it."""
     from ..errors import InvalidParameter
 
     if sys.stdin is None:
@@ -118,7 +119,9 @@ def read_stdin() -> str:
         raise InvalidParameter(f"the prompt on stdin is over {MAX_STDIN_BYTES >> 20} MB, more than any model's "
                                "context holds", hint="shorten the prompt")
     try:
-        return data.decode("utf-8")
+        # The newlines that end a file or `echo "..." |` are not part of the prompt: kept, they made `-p -` another
+        # prompt than `-p "..."` (38 tokens, not 37, and another greedy answer).
+        return data.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as e:
         raise InvalidParameter(f"stdin is not valid UTF-8: {e.reason} at byte {e.start}",
                                hint="convert it first, e.g. iconv -f latin1 -t utf-8") from None

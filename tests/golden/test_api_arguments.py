@@ -120,3 +120,20 @@ def test_a_given_cache_counts_against_the_context(smollm2):
     mlxinfer.generate(smollm2, [1] * 8000, GREEDY, cache=cache, prefill_step_size=2048)
     with pytest.raises(InvalidParameter, match="the cache holds 8003 tokens, the prompt has 200, the model's"):
         mlxinfer.generate(smollm2, [1] * 200, GREEDY, cache=cache)
+
+
+def test_a_prompt_piped_with_echo_is_the_prompt_given_with_p(smollm2):
+    """`echo "..." | mlxinfer generate -p -` kept echo's newline: 38 prompt tokens, not 37, and another answer."""
+    import json
+    import subprocess
+    import sys
+
+    def run(*args, stdin=None):
+        proc = subprocess.run([sys.executable, "-m", "mlxinfer", "generate", *args, "--temp", "0", "-n", "8",
+                               "--json"], input=stdin, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    question = "What is the capital of France?"
+    piped, given = run("-p", "-", stdin=question + "\n"), run("-p", question)
+    assert piped["prompt_tokens"] == given["prompt_tokens"] and piped["text"] == given["text"]
