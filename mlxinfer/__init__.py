@@ -4,9 +4,11 @@ The Python API the CLI is a thin shell over::
 
     import mlxinfer
     m = mlxinfer.load("smollm2")                      # alias, org/name[@rev], MLX dir or .gguf
-    for r in mlxinfer.stream_generate(m, "Hello"):   # Response(text, token, stats, finish_reason)
-        print(r.text, end="")
-    mlxinfer.generate(m, mlxinfer.chat_prompt(m, [{"role": "user", "content": "Hi"}]))
+    for r in mlxinfer.stream_generate(m, "Once upon a time"):  # text is continued as is (no chat template)
+        print(r.text, end="")                                     # Response(text, token, stats, finish_reason)
+    mlxinfer.generate(m, mlxinfer.chat_prompt(m, [{"role": "user", "content": "Hi"}]))  # an assistant's reply
+    chat = mlxinfer.Session(m)                       # a conversation, the KV cache kept across turns
+    print("".join(r.text for r in chat.send("What is the capital of France?")))
 
 Attributes are imported lazily so that ``mlxinfer --help`` does not pay for importing MLX and mlx-lm.
 """

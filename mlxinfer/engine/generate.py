@@ -157,7 +157,10 @@ def stream_generate(
     kv: KVOptions | None = None,
     completion: bool | None = None,
 ) -> Iterator[Response]:
-    """Yield the reply piece by piece. ``cache`` (an mlx-lm prompt cache) is extended in place: pass the tokens
+    """Yield the reply piece by piece. A text ``prompt`` is continued as it is (a raw completion, no chat
+    template): for an assistant's answer pass ``chat_prompt(loaded, messages)``, or use a ``Session``. Without
+    ``params``, SamplingParams' defaults (temperature 0.7), not the model's models.toml defaults (a Session
+    takes those). ``cache`` (an mlx-lm prompt cache) is extended in place: pass the tokens
     it does not hold yet as ``prompt``. After the stream ends the cache holds prompt + ``stats.tokens``.
     ``kv``: the KV-cache options (quantized or capped) a new cache is made with and a given one kept by.
     ``completion``: the reply continues the prompt's text and keeps its leading space (default: when the prompt

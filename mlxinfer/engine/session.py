@@ -32,6 +32,11 @@ class SessionError(MlxinferError):
     """A chat action that cannot be done now (nothing to retry, message too long, bad session file)."""
 
 
+def _spec_defaults(loaded) -> dict:
+    spec = getattr(loaded, "spec", None)
+    return dict(getattr(spec, "defaults", None) or {})
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -55,8 +60,9 @@ class Session:
         kv: KVOptions | None = None,
     ):
         self.loaded = loaded
+        # Without params: the model's models.toml defaults (as chat uses them), sized to its context.
         self.params = (_settings.check_for_model(params, loaded) if params is not None
-                       else _settings.resolve(loaded=loaded))  # defaults sized to the model's context
+                       else _settings.resolve(_spec_defaults(loaded), loaded=loaded))
         self.system = system or None
         self._context: int | None = None
         if context is not None:

@@ -137,3 +137,10 @@ def test_a_prompt_piped_with_echo_is_the_prompt_given_with_p(smollm2):
     question = "What is the capital of France?"
     piped, given = run("-p", "-", stdin=question + "\n"), run("-p", question)
     assert piped["prompt_tokens"] == given["prompt_tokens"] and piped["text"] == given["text"]
+
+
+def test_a_session_without_params_takes_the_models_defaults_as_chat_does(smollm2):
+    """Session(m) sampled at SamplingParams' 0.7 / 1.0 where `mlxinfer chat` uses the model's models.toml 0.2 / 0.9."""
+    defaults = smollm2.spec.defaults
+    params = mlxinfer.Session(smollm2).params
+    assert (params.temperature, params.top_p) == (defaults["temperature"], defaults["top_p"]) == (0.2, 0.9)
