@@ -24,7 +24,8 @@ def encode_prompt(loaded: LoadedModel, prompt: str) -> list[int]:
 
 def chat_prompt(loaded: LoadedModel, messages: list[dict[str, str]], **template_vars) -> list[int]:
     """Render messages with the model's chat template (sandboxed) and tokenize the result."""
-    return _encode(loaded.tokenizer, chat_text(loaded, messages, **template_vars), False)
+    text = chat_text(loaded, messages, **template_vars)  # (checks ``loaded`` first)
+    return _encode(loaded.tokenizer, text, False)
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -56,6 +57,8 @@ def tokenizer_guard():
 
 def chat_text(loaded: LoadedModel, messages: list[dict[str, str]], **template_vars) -> str:
     """The prompt text the model's chat template (sandboxed, time- and size-limited) makes of ``messages``."""
+    if not (hasattr(loaded, "tokenizer") and hasattr(loaded, "chat_template")):
+        raise InvalidParameter(f"a chat prompt needs a model from mlxinfer.load(...), not {type(loaded).__name__}")
     _check_messages(messages)
     return render(loaded.chat_template, messages, special_tokens=special_tokens_of(loaded.tokenizer), **template_vars)
 

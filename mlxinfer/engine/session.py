@@ -32,6 +32,25 @@ class SessionError(MlxinferError):
     """A chat action that cannot be done now (nothing to retry, message too long, bad session file)."""
 
 
+def _check_arguments(loaded, params, messages) -> None:
+    """A Session's arguments checked as the CLI's are (one line): a model from load(), SamplingParams, and messages
+    its own save and load accept (a system message there, or a role 'robot', failed only at from_dict)."""
+    if not (hasattr(loaded, "tokenizer") and hasattr(loaded, "context_length")):
+        raise InvalidParameter(f"a Session needs a model from mlxinfer.load(...), not {type(loaded).__name__}")
+    if params is not None and not isinstance(params, SamplingParams):
+        raise InvalidParameter(f"params must be a SamplingParams, not {type(params).__name__}",
+                               hint="e.g. SamplingParams(temperature=0)")
+    if messages is None:
+        return
+    if not isinstance(messages, list):
+        raise InvalidParameter(f"messages must be a list of {{'role', 'content'}} dicts, not {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "system":
+            raise InvalidParameter(f"message {i} is a system message", hint="pass it as Session(..., system=TEXT)")
+        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)):
+            raise InvalidParameter(f"message {i} must be {{'role': 'user' or 'assistant', 'content': text}}")
+
+
 def _spec_defaults(loaded) -> dict:
     spec = getattr(loaded, "spec", None)
     return dict(getattr(spec, "defaults", None) or {})
@@ -59,6 +78,7 @@ class Session:
         messages: list[dict] | None = None,
         kv: KVOptions | None = None,
     ):
+        _check_arguments(loaded, params, messages)
         self.loaded = loaded
         # Without params: the model's models.toml defaults (as chat uses them), sized to its context.
         self.params = (_settings.check_for_model(params, loaded) if params is not None
@@ -77,6 +97,7 @@ class Session:
         # A message dropped before its reply began: the cache still holds what was read of it (reused when it is
         # sent again), which the conversation does not take.
         self._dropped_tail = False
+        self._turn: Turn | None = None  # the latest turn started: an earlier one left unrun must not run later
 
     # ----- settings -----
     @property
@@ -197,10 +218,11 @@ class Session:
         return True
 
     def reset_cache(self) -> None:
-        self._cache, self._cache_tokens = None, []
+        self._cache, self._cache_tokens, self._turn = None, [], None
 
     def sync(self) -> None:
         """Trim the cache to what the current messages still share with it (after /undo, /system, ...)."""
+        self._turn = None  # a turn made before the change renders a conversation that is no longer there
         if self._cache is not None:
             self._reuse(self.render())
 
@@ -246,6 +268,7 @@ class Session:
         max_tokens = left if self.params.max_tokens <= 0 else min(self.params.max_tokens, left)
         turn = Turn(self, tokens, reused, dropped, max_tokens)
         turn.before = before
+        self._turn = turn
         return turn
 
     def _undo_failed_turn(self, turn: Turn) -> None:
@@ -302,6 +325,8 @@ class Session:
     # ----- conversation actions -----
     def send(self, text: str) -> Turn:
         """Add a user message and return the Turn that generates the reply (iterate it)."""
+        if not isinstance(text, str):
+            raise InvalidParameter(f"a message must be text, not {type(text).__name__}")
         if not text.strip():
             raise SessionError("empty message")
         if self.messages and self.messages[-1]["role"] == "user":

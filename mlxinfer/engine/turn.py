@@ -62,10 +62,13 @@ class Turn:
         return self._cancel if AGREE is None else AGREE(self, self._cancel)
 
     def __iter__(self) -> Iterator[Response]:
-        if self._started:
-            raise RuntimeError("a Turn can be iterated once")
-        self._started = True
         s = self.session
+        if self._started or s._turn is not self:  # a later send/retry/undo moved the conversation on
+            from .session import SessionError
+
+            raise SessionError("this turn was run already" if self._started else
+                               "this turn was replaced by a later send or retry: run the latest one")
+        self._started = True
         params = s.params.with_values(max_tokens=self.max_tokens)
         stream = stream_generate(
             s.loaded, self.tokens[self.reused:], params, cache=s._cache, prompt_progress=self._progress,

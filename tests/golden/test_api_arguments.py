@@ -144,3 +144,38 @@ def test_a_session_without_params_takes_the_models_defaults_as_chat_does(smollm2
     defaults = smollm2.spec.defaults
     params = mlxinfer.Session(smollm2).params
     assert (params.temperature, params.top_p) == (defaults["temperature"], defaults["top_p"]) == (0.2, 0.9)
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda m: mlxinfer.Session("smollm2"), "a Session needs a model from mlxinfer.load(...), not str"),
+    (lambda m: mlxinfer.Session(m, {"temperature": 0}), "params must be a SamplingParams, not dict"),
+    (lambda m: mlxinfer.Session(m).send(5), "a message must be text, not int"),
+    (lambda m: mlxinfer.Session(m, messages="hi"), "messages must be a list"),
+    (lambda m: mlxinfer.Session(m, messages=[{"role": "system", "content": "Be brief."}]),
+     "message 0 is a system message (pass it as Session(..., system=TEXT))"),
+    (lambda m: mlxinfer.Session(m, messages=[{"role": "robot", "content": "x"}]), "message 0 must be"),
+    (lambda m: mlxinfer.Session(m, messages=[{"role": "user"}]), "message 0 must be"),
+    (lambda m: mlxinfer.chat_prompt("smollm2", [{"role": "user", "content": "Hi"}]),
+     "a chat prompt needs a model from mlxinfer.load(...), not str"),
+])
+def test_a_sessions_arguments_are_checked_as_its_save_and_load_check_them(smollm2, make, said):
+    """Each was an AttributeError or a ValueError from deep inside; a system message or a role 'robot' was taken
+    and then refused by the session's own from_dict."""
+    with pytest.raises(InvalidParameter, match=re.escape(said)):
+        make(smollm2)
+
+
+def test_a_turn_left_unrun_cannot_run_after_a_later_one(smollm2):
+    """It generated on top of the later turn's cache and appended a second assistant message in a row."""
+    from mlxinfer.engine.session import SessionError
+
+    s = mlxinfer.Session(smollm2, SamplingParams(temperature=0, max_tokens=4))
+    first, second = s.send("Hi"), s.send("What is 2+2?")
+    "".join(r.text for r in second)
+    with pytest.raises(SessionError, match="replaced by a later send or retry"):
+        "".join(r.text for r in first)
+    stale = s.send("And 3+3?")
+    s.undo()
+    with pytest.raises(SessionError, match="replaced"):
+        list(stale)
+    assert [m["role"] for m in s.messages] == ["user", "assistant"]
