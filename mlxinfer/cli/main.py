@@ -189,7 +189,16 @@ def _usage_line(e: Exception) -> str:
     if name and possible is not None:  # click suggests at 60% likeness: `bench --temp` got "--help"
         import difflib
 
-        near = [p for p in possible if p != "--help" and difflib.SequenceMatcher(None, name, p).ratio() >= 0.8]
+        command = getattr(getattr(e, "ctx", None), "command", None)
+        options = {o for p in getattr(command, "params", ()) for o in (*p.opts, *p.secondary_opts)
+                   if o.startswith("--")} or set(possible)
+
+        def near_to(option: str) -> bool:  # 80% alike, or one the start of the other (--temperature: --temp)
+            short, long_ = sorted((name, option), key=len)
+            return difflib.SequenceMatcher(None, name, option).ratio() >= 0.8 or \
+                (len(short) >= 5 and long_.startswith(short))
+
+        near = [p for p in options if p != "--help" and near_to(p)]
         message = f"no such option: {name}" + (f"; did you mean {' or '.join(sorted(near))}?" if near else "")
     if len(message) > 1 and message[0].isupper() and message[1].islower():
         message = message[0].lower() + message[1:]  # "No such option" -> "no such option", as our own lines read
