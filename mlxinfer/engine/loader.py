@@ -15,7 +15,8 @@ from ..errors import DamagedFile, InvalidModel, MlxinferError, one_line
 from ..registry import ModelSpec, Registry
 from .backend import activation_dtype, backend, keep_freed_buffers
 
-Progress = Callable[[str, int, int], None]  # (stage, done, total): stages "download", "import", "load"
+# (stage, done, total): stages "download" (bytes), "hash", "import" and "write" (a GGUF's first import), "load"
+Progress = Callable[[str, int, int], None]
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 QUANT_PARAMS = ("scales", "biases")  # a quantized layer's own (per-group) parameters
 
@@ -211,7 +212,13 @@ def load(
     progress: Progress | None = None,
     registry: Registry | None = None,
 ) -> LoadedModel:
-    """Load an alias, Hub repo id (``org/name[@rev]``), MLX directory or ``.gguf`` file (default: the bundled model)."""
+    """Load an alias, Hub repo id (``org/name[@rev]``), MLX directory or ``.gguf`` file (default: the bundled model).
+    ``kernels``: "auto" (custom kernels where they are checked to run, else MLX's built-ins, the reason in
+    ``.kernels``), "custom" (fail instead of falling back) or "builtin". ``progress(stage, done, total)``: see
+    ``Progress``; nothing is printed. A first load downloads (Hub) or imports (GGUF) into the cache."""
+    if isinstance(model, str) and not model.strip():  # "" loaded the default model without a word
+        raise InvalidModel("the model name is empty", hint="give an alias, a Hub repo id or a path; None loads "
+                           "the bundled default")
     import mlx.core as mx
 
     from .trust import load_tokenizer

@@ -19,6 +19,9 @@ SEED_MAX = 2**64 - 1   # mx.random.seed takes an unsigned 64-bit integer (measur
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How tokens are picked. temperature 0 is greedy; max_tokens -1 generates until EOS or the end of the
+    context. ``validate()`` checks the ranges; the engine also checks top_k and max_tokens against the model."""
+
     temperature: float = 0.7
     top_p: float = 1.0          # 1.0 = off
     top_k: int = 0              # 0 = off

@@ -179,3 +179,10 @@ def test_a_turn_left_unrun_cannot_run_after_a_later_one(smollm2):
     with pytest.raises(SessionError, match="replaced"):
         list(stale)
     assert [m["role"] for m in s.messages] == ["user", "assistant"]
+
+
+def test_an_empty_model_name_is_refused_not_read_as_the_default():
+    from mlxinfer.errors import InvalidModel
+
+    with pytest.raises(InvalidModel, match="the model name is empty"):
+        mlxinfer.load("  ")
