@@ -29,6 +29,8 @@ _API = {
     "Session": "mlxinfer.engine.session",
     "Registry": "mlxinfer.registry",
     "MlxinferError": "mlxinfer.errors",
+    "InvalidParameter": "mlxinfer.errors",
+    "SessionError": "mlxinfer.engine.session",
 }
 __all__ = sorted(_API) + ["__version__"]
 
@@ -41,3 +43,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'mlxinfer' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # the lazy names too, before they are first used
+    return sorted(set(globals()) | set(__all__))

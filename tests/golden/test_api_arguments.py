@@ -186,3 +186,16 @@ def test_an_empty_model_name_is_refused_not_read_as_the_default():
 
     with pytest.raises(InvalidModel, match="the model name is empty"):
         mlxinfer.load("  ")
+
+
+def test_the_api_lists_its_names_and_errors_before_they_are_used():
+    """dir(mlxinfer) showed the lazily imported names only once used; SessionError was not reachable from the
+    package (the errors a caller catches: MlxinferError and its kinds)."""
+    import subprocess
+    import sys
+
+    code = "import mlxinfer; print(sorted(set(mlxinfer.__all__) - set(dir(mlxinfer))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out.strip() == "[]"
+    assert issubclass(mlxinfer.SessionError, mlxinfer.MlxinferError)
+    assert issubclass(mlxinfer.InvalidParameter, mlxinfer.MlxinferError)
