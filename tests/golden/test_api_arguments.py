@@ -199,3 +199,17 @@ def test_the_api_lists_its_names_and_errors_before_they_are_used():
     assert out.strip() == "[]"
     assert issubclass(mlxinfer.SessionError, mlxinfer.MlxinferError)
     assert issubclass(mlxinfer.InvalidParameter, mlxinfer.MlxinferError)
+
+
+def test_the_readmes_python_example_runs(tmp_path):
+    """README's Python API section, run as written (a docs example that fails is a bug)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and len(proc.stdout.splitlines()) >= 4  # library code prints nothing of its own
