@@ -175,7 +175,7 @@ def test_already_quantized_source_is_requantized(llama_src, tmp_path):
     q8 = convert(str(llama_src), tmp_path / "q8", ConvertOptions(bits=8, eval=False)).out_dir
     # 8 -> 4 bits rounds rounded weights again: refused with its cost unless asked for (issue #16)
     with pytest.raises(InvalidParameter, match=r"already quantized \(8-bit affine, group 64, 8.50 bits per "
-                                               r"weight\); re-quantizing it to 4-bit.*--requantize"):
+                                               r"matrix weight\); re-quantizing it to 4-bit.*--requantize"):
         convert(str(q8), tmp_path / "q4", ConvertOptions(bits=4, eval=False))
     assert not (tmp_path / "q4").exists()
     r = convert(str(q8), tmp_path / "q4", ConvertOptions(bits=4, eval=False, requantize=True))
