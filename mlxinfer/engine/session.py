@@ -107,13 +107,14 @@ class Session:
     @property
     def context_used(self) -> int:
         """Tokens the conversation takes: what the KV cache holds, or, before the cache is filled (a resumed
-        session, after a failed turn), what the history will take when it is prefilled."""
+        session, after a failed turn), what the history will take when it is prefilled (the same but for the last
+        reply's end-of-turn tokens, which the cache takes with the next message: 55 resumed, 53 live)."""
         if not self.messages:
             return 0 if self._dropped_tail else len(self._cache_tokens)
         if self._cache_tokens and not self._dropped_tail:
             return len(self._cache_tokens)
-        try:
-            return len(self.render())
+        try:  # without the next reply's header: the conversation as the next turn's prompt starts with it
+            return len(self.render(generation_prompt=False))
         except MlxinferError:
             return 0
 
@@ -184,9 +185,10 @@ class Session:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + [{"role": m["role"], "content": m["content"]} for m in msgs]
 
-    def render(self, messages: list[dict] | None = None) -> list[int]:
+    def render(self, messages: list[dict] | None = None, *, generation_prompt: bool = True) -> list[int]:
         extra = {"enable_thinking": False} if self.think == "off" else {}
-        return chat_prompt(self.loaded, self.template_messages(messages), **extra)
+        return chat_prompt(self.loaded, self.template_messages(messages), add_generation_prompt=generation_prompt,
+                           **extra)
 
     def _reuse(self, tokens: list[int]) -> int:
         """Trim the cache to its common prefix with ``tokens`` (leaving at least one token to feed)."""

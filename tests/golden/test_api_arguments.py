@@ -213,3 +213,12 @@ def test_the_readmes_python_example_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "" and len(proc.stdout.splitlines()) >= 4  # library code prints nothing of its own
+
+
+def test_a_resumed_chat_counts_its_context_as_the_live_one_did(smollm2):
+    """Live /show said 53 tokens, resumed 59: the resumed count took the next reply's header too. They now differ by
+    the last reply's end-of-turn tokens alone (<|im_end|>, a newline), which the cache takes with the next message."""
+    s = mlxinfer.Session(smollm2, SamplingParams(temperature=0, max_tokens=20))
+    "".join(r.text for r in s.send("Say hi."))
+    back = mlxinfer.Session.from_dict(s.to_dict(), smollm2)
+    assert s.messages[-1]["content"] and back.context_used - s.context_used == 2

@@ -456,7 +456,7 @@ def test_a_resumed_session_reports_the_context_its_history_takes(tiny):
     used = s.context_used
     back = Session.from_dict(s.to_dict(), tiny)
     assert back._cache is None
-    assert back.context_used == len(back.render()) and abs(back.context_used - used) <= 8
+    assert back.context_used == len(back.render(generation_prompt=False)) and abs(back.context_used - used) <= 8
     assert make_session(tiny).context_used == 0
 
 
