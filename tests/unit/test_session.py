@@ -164,7 +164,8 @@ def test_cancel_before_any_text_drops_the_message(tiny):
     turn.cancel()
     run(turn)
     assert turn.discarded and [m["content"] for m in s.messages][0] == "First" and len(s.messages) == 2
-    assert s.context_used == len(s.render(generation_prompt=False))  # the conversation, not what the cache read of "Second"
+    # the conversation, not what the cache read of "Second"
+    assert s.context_used == len(s.render(generation_prompt=False))
 
 
 def test_cancel_before_any_text_gives_back_the_turns_dropped_for_the_message(tiny):
