@@ -106,17 +106,16 @@ class Session:
 
     @property
     def context_used(self) -> int:
-        """Tokens the conversation takes: what the KV cache holds, or, before the cache is filled (a resumed
-        session, after a failed turn), what the history will take when it is prefilled (the same but for the last
-        reply's end-of-turn tokens, which the cache takes with the next message: 55 resumed, 53 live)."""
+        """Tokens the conversation takes, as the next turn's prompt starts with it (without the next reply's
+        header): the same number live, resumed, after /undo or a /system change (the cache's own count was short
+        after a trim: 6 tokens for a 2-message chat once /system changed). Renders and tokenizes the history:
+        milliseconds, once per turn and per /show."""
         if not self.messages:
             return 0 if self._dropped_tail else len(self._cache_tokens)
-        if self._cache_tokens and not self._dropped_tail:
-            return len(self._cache_tokens)
-        try:  # without the next reply's header: the conversation as the next turn's prompt starts with it
+        try:
             return len(self.render(generation_prompt=False))
         except MlxinferError:
-            return 0
+            return len(self._cache_tokens)
 
     def set_context(self, n: int) -> None:
         self._context = _settings.check_context(n, self.loaded)
@@ -412,6 +411,10 @@ class Session:
             raise SessionError("session messages must be a list of {role: user|assistant, content: text}")
         if not isinstance(data.get("settings", {}), dict):
             raise SessionError("session settings must be a table")
+        if data.get("system") is not None and not isinstance(data["system"], str):  # every message failed later
+            raise SessionError("the session's system prompt must be text or null")
+        if data.get("think", "on") not in THINK_MODES:
+            raise SessionError(f"the session's think mode must be one of {', '.join(THINK_MODES)}")
         return data
 
     @classmethod

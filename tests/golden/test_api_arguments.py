@@ -215,10 +215,15 @@ def test_the_readmes_python_example_runs(tmp_path):
     assert proc.stderr == "" and len(proc.stdout.splitlines()) >= 4  # library code prints nothing of its own
 
 
-def test_a_resumed_chat_counts_its_context_as_the_live_one_did(smollm2):
-    """Live /show said 53 tokens, resumed 59: the resumed count took the next reply's header too. They now differ by
-    the last reply's end-of-turn tokens alone (<|im_end|>, a newline), which the cache takes with the next message."""
+def test_a_chat_counts_its_context_the_same_live_resumed_and_after_a_change(smollm2):
+    """Live /show said 53 tokens, resumed 59 (the next reply's header counted), after /undo a third number, and
+    after a /system change 6 for a 2-message chat (the trimmed cache's count)."""
     s = mlxinfer.Session(smollm2, SamplingParams(temperature=0, max_tokens=20))
     "".join(r.text for r in s.send("Say hi."))
-    back = mlxinfer.Session.from_dict(s.to_dict(), smollm2)
-    assert s.messages[-1]["content"] and back.context_used - s.context_used == 2
+    live = s.context_used
+    assert live == mlxinfer.Session.from_dict(s.to_dict(), smollm2).context_used
+    "".join(r.text for r in s.send("And bye."))
+    s.undo()
+    assert s.context_used == live
+    s.set_system("You are a pirate.")
+    assert s.context_used == mlxinfer.Session.from_dict(s.to_dict(), smollm2).context_used > 30

@@ -96,7 +96,8 @@ def test_second_turn_prefills_only_new_tokens(tiny):
     s = make_session(tiny, system="Be brief.")
     t1 = run(s.send("What is the capital of France?"))
     assert t1.reused == 0 and t1.stats.prompt_tokens == len(t1.tokens)
-    assert s.context_used == len(t1.tokens) + len(t1.stats.tokens)
+    # the conversation as rendered: prompt + reply, and the reply's end-of-turn tokens the cache takes next turn
+    assert 0 <= s.context_used - (len(t1.tokens) + len(t1.stats.tokens)) <= 2
     t2 = run(s.send("And of Italy?"))
     # Everything up to the end of the first reply came from the cache.
     assert t2.reused >= len(t1.tokens) + len(t1.stats.tokens) - 2
