@@ -280,6 +280,12 @@ def test_a_damaged_session_file_says_how_to_get_past_it(tmp_path, monkeypatch):
     # JSON of the right format, but not a session /load takes ("messages" not a list): listed as unreadable
     path.write_text(json.dumps({"format": "mlxinfer.session", "version": 1, "messages": "nope"}))
     assert [(i.name, i.model, i.messages) for i in store.list_sessions()] == [("bad", "unreadable", 0)]
+    # a system prompt that is not text loaded, and then every message failed; an unknown think mode likewise
+    good = {"format": "mlxinfer.session", "version": 1, "messages": []}
+    for damage, said in (({"system": 123}, "system prompt must be text"), ({"think": "maybe"}, "think mode")):
+        path.write_text(json.dumps({**good, **damage}))
+        with pytest.raises(SessionError, match=said):
+            store.load("bad")
 
 
 def test_cancel_during_prefill_stops_at_a_chunk_boundary(tiny):
