@@ -43,6 +43,8 @@ def _open_session(session: str | None, fork: str | None):
     if fork is not None and not session:
         raise InvalidParameter("--fork needs --session NAME (the saved session to copy)",
                                hint="e.g. --session notes --fork notes-2")
+    if session is not None and not session.strip():  # --session '' was taken as no session: nothing was saved
+        raise InvalidParameter("--session needs a name", hint="e.g. --session notes")
     if not session:
         return None, None, None
     store.check_name(session)

@@ -78,6 +78,10 @@ def _set(app, arg):
     shown = app.session.context_limit if field == "context" else app.session.think if field == "think" else \
         getattr(app.session.params, field)
     app.view.info(f"set {field} = {_shown(shown)}")  # as /show says
+    used = app.session.context_used if field == "context" else 0
+    if used > app.session.context_limit:  # (it said "context used 64/40 (160%)" until the next message)
+        app.view.notice(f"the conversation takes {used} tokens, more than {app.session.context_limit}: the oldest "
+                        "messages drop when you send the next one")
 
 
 def _shown(value) -> str:

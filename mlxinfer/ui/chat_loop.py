@@ -201,6 +201,12 @@ class ChatApp:
         if self.world is not None and not self.world.leader:
             return True  # the leader writes the one copy; a follower on the same host would fight it for the lock
 
+        replaced = None
+        if name != self.session_name and not quiet:  # another session of that name was replaced without a word
+            try:
+                replaced = len(store.load(name).get("messages") or []) if name in store.names() else None
+            except (MlxinferError, OSError):
+                replaced = 0
         try:
             self.bind(name, hint="save under another name, or close that chat first")
             with _termination_held():
@@ -211,7 +217,9 @@ class ChatApp:
         before, self.session_name = self.session_name, name
         self.saved_state = self.session.to_dict()
         if not quiet:
-            self.view.info(f"saved session '{name}' ({len(self.session.messages)} messages) to {path}")
+            self.view.info(f"saved session '{name}' ({len(self.session.messages)} messages) to {path}" +
+                           (f"; it replaced the session of that name ({replaced} messages)" if replaced is not None
+                            else ""))
             if self.autosave and before not in (None, name):  # --session: a "save as", as in an editor
                 self.view.info(f"this chat now saves to '{name}' after every reply; '{before}' keeps what it had")
         return True

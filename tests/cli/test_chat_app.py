@@ -245,3 +245,15 @@ def test_show_says_whether_the_named_session_holds_what_is_on_screen(run_chat):
                                     session_name="notes2")
     assert "  session       notes3 (saved after every reply)" in err
     assert "this chat now saves to 'notes3' after every reply; 'notes2' keeps what it had" in err
+
+
+def test_save_says_what_it_replaced_and_set_context_what_will_drop(run_chat):
+    """/save NAME over another saved session replaced it without a word; /set context 40 under a 64-token
+    conversation left /show at 160% with nothing said until the next message dropped half of it (chat audit)."""
+    app, out, err, loads = run_chat(["Say hi.", "/save first", "/exit"], max_tokens=3)
+    app.release()  # (the chat's lock on the session: a chat that ends lets go of it)
+    app, out, err, loads = run_chat(["/save first", "/save first", "Say hi.", "And again.", "/set context 40",
+                                     "/exit"], max_tokens=3)
+    assert "saved session 'first' (0 messages)" in err
+    assert err.count("it replaced the session of that name (2 messages)") == 1  # not when saving it again
+    assert "more than 40: the oldest messages drop when you send the next one" in err

@@ -175,3 +175,8 @@ def test_an_unknown_option_suggests_only_a_likely_one(args, line):
 def test_conflicting_inputs_are_refused_not_resolved_silently(args, needle):
     """The prompt after the model was dropped for -p's, and --system was ignored under --raw (prompt_tokens 1)."""
     assert_one_line_error(run(*args), needle)
+
+
+def test_an_empty_session_name_is_refused():
+    """--session '' was taken as no session: the chat ran and nothing was saved (chat audit)."""
+    assert_one_line_error(run("chat", "--session", ""), "--session needs a name")
