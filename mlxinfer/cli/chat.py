@@ -68,6 +68,20 @@ def _open_session(session: str | None, fork: str | None):
     return lock, saved, fork
 
 
+def _model_spec(registry, model, saved, name):
+    """The model to chat with: MODEL, else the one the resumed session names (said to come from the session when
+    it cannot be found: 'unknown model' alone pointed at something the user never typed)."""
+    from ..errors import MlxinferError
+
+    if model or not (saved or {}).get("model"):
+        return registry.resolve(model)
+    try:
+        return registry.resolve(saved["model"])
+    except MlxinferError as e:
+        raise type(e)(f"session '{name}' was saved with the model {saved['model']!r}: {e.args[0]}",
+                      hint=f"give a model to use instead: mlxinfer chat MODEL --session {name}") from None
+
+
 def _params(spec, saved, session, loaded, flags):
     from ..errors import InvalidParameter
 
@@ -143,7 +157,7 @@ def chat(
     app = None
     try:
         registry = Registry.load()
-        spec = registry.resolve(model or (saved or {}).get("model"))
+        spec = _model_spec(registry, model, saved, name)
         loaded = load_model(spec, kernels=kernels)
         params = _params(spec, saved, session, loaded, flags)
         kv = _kv(spec, saved, session, loaded, kv_flags)

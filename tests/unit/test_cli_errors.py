@@ -180,3 +180,14 @@ def test_conflicting_inputs_are_refused_not_resolved_silently(args, needle):
 def test_an_empty_session_name_is_refused():
     """--session '' was taken as no session: the chat ran and nothing was saved (chat audit)."""
     assert_one_line_error(run("chat", "--session", ""), "--session needs a name")
+
+
+def test_a_resumed_sessions_missing_model_is_said_to_come_from_the_session(tmp_path):
+    """'unknown model nonexistent-model' named a model the user never typed (chat audit)."""
+    sessions = tmp_path / "mlxinfer" / "sessions"
+    sessions.mkdir(parents=True)
+    (sessions / "old.json").write_text(json.dumps({"format": "mlxinfer.session", "version": 1, "settings": {},
+                                                   "model": "nonexistent-model", "messages": []}))
+    assert_one_line_error(run("chat", "--session", "old", env={"XDG_DATA_HOME": str(tmp_path)}),
+                          "session 'old' was saved with the model 'nonexistent-model'",
+                          "mlxinfer chat MODEL --session old")
