@@ -41,7 +41,7 @@ def _open_session(session: str | None, fork: str | None):
     from ..errors import InvalidParameter
 
     if fork is not None and not session:
-        raise InvalidParameter("--fork needs --session NAME (the saved session to copy)",
+        raise InvalidParameter("--fork needs --session NAME, the saved session to copy",
                                hint="e.g. --session notes --fork notes-2")
     if session is not None and not session.strip():  # --session '' was taken as no session: nothing was saved
         raise InvalidParameter("--session needs a name", hint="e.g. --session notes")
