@@ -162,9 +162,12 @@ class ChatApp:
             self.view.error(f"generation failed: {failure_line(failure)}{undone}")
         if turn.discarded:
             self.view.notice("stopped before the reply began; the message was dropped (Up arrow brings it back)")
-        used, window = s.context_used, s.kv.max_size  # (context_used may render the whole conversation)
+        stats_line = turn.stats is not None and self.show_stats and turn.error is None
+        window = s.kv.max_size
+        # context_used renders and tokenizes the whole history: only when the stats line or the window needs it
+        used = s.context_used if stats_line or (window and not self._window_told) else 0
         rotated = bool(window) and used > window
-        if turn.stats is not None and self.show_stats and turn.error is None:
+        if stats_line:
             from .console_out import stats_text
 
             self.view.stats(stats_text(turn.stats, context=(used, s.context_limit), window=window if rotated else None))
