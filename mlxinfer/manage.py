@@ -123,16 +123,16 @@ def pull(target: Target, *, progress: Optional[Progress] = None,
 def _ready(directory: Path, fix: Optional[str], again: Optional[Callable[[], Path]] = None) -> Path:
     """``directory`` if it passes the checks ``generate`` runs before loading. Damaged weights in a cache copy are
     got ``again`` (once); otherwise ``fix`` is the error's hint."""
-    from .engine.loader import check_model_dir
+    from .engine.loader import check_model_dir, damage_hint
 
-    try:
+    if again is not None:
+        try:
+            check_model_dir(directory)
+            return directory
+        except DamagedFile:
+            directory = again()
+    with damage_hint(fix):
         check_model_dir(directory)
-    except DamagedFile as e:
-        if again is not None:
-            return _ready(again(), fix)
-        if fix is not None:
-            raise DamagedFile(e.args[0], hint=fix) from None
-        raise
     return directory
 
 
@@ -270,15 +270,11 @@ def describe(target: Target) -> dict:
                            hint="pull the model again") from None
     check_config(directory, config)  # the sizes and the quantization section the counts below use
     record = config.get("mlxinfer") if isinstance(config.get("mlxinfer"), dict) else {}
-    try:
-        params = _safetensors_params(directory, config)
-    except DamagedFile as e:  # a cache copy: say how to get it again (rm + pull), as generate does
-        from .engine.loader import cache_fix
+    from .engine.loader import cache_fix, damage_hint
 
-        fix = cache_fix(spec) if spec is not None and target.import_dir is None else None
-        if fix is None:
-            raise
-        raise DamagedFile(e.args[0], hint=fix) from None
+    # a cache copy: say how to get it again (rm + pull), as generate does
+    with damage_hint(cache_fix(spec) if spec is not None and target.import_dir is None else None):
+        params = _safetensors_params(directory, config)
     archs = config.get("architectures")
     archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
     source = spec.source_label() if spec is not None else str(record.get("file", directory))

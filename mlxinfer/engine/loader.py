@@ -6,6 +6,7 @@ backend dtype policy -> custom kernels patched in (``mlxinfer.kernels.patch``) -
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,17 @@ def cache_fix(spec: ModelSpec) -> str | None:
     if spec.kind != "hub" and not spec.is_gguf:
         return None
     return f"the cached copy is damaged; get it again: mlxinfer rm {rm} --yes && mlxinfer pull {name}"
+
+
+@contextlib.contextmanager
+def damage_hint(fix: str | None):
+    """A DamagedFile raised inside gets ``fix`` (a cache_fix) as its hint; unchanged when there is none."""
+    try:
+        yield
+    except DamagedFile as e:
+        if fix is None:
+            raise
+        raise DamagedFile(e.args[0], hint=fix) from None
 
 
 def check_model_dir(path: Path) -> dict:
@@ -230,13 +242,8 @@ def load(
     path = model_dir(spec, progress)
     if progress:
         progress("load", 0, 1)
-    try:
+    with damage_hint(cache_fix(spec)):
         net, config = load_model_dir(path, lazy=True)
-    except DamagedFile as e:
-        fix = cache_fix(spec)
-        if fix is None:
-            raise
-        raise DamagedFile(e.args[0], hint=fix) from None
     from ..distributed import prepare  # under mlx.launch: keep only this rank's shard, before any weight is read
 
     shard_line = prepare(net, config)
