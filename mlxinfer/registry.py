@@ -209,8 +209,8 @@ class Registry:
             return ModelSpec(name=arg, kind="hub", repo=repo, revision=rev or None)
         near = self.closest(arg)
         hint = f"did you mean '{near}'? " if near else ""
-        if missing_user_registry():
-            hint += f"MLXINFER_MODELS names {missing_user_registry()}, which does not exist; "
+        if (missing := missing_user_registry()) is not None:
+            hint += f"MLXINFER_MODELS names {missing}, which does not exist; "
         raise ModelNotFound(
             f"unknown model '{arg}'",
             hint=f"{hint}run 'mlxinfer models' for aliases, or give a Hub repo id (org/name) or a path",

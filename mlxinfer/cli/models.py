@@ -27,8 +27,8 @@ def models_cmd(
     from ..models_info import list_models
     from ..registry import Registry, missing_user_registry, user_registry_path
 
-    if missing_user_registry():
-        print(f"warning: MLXINFER_MODELS names {missing_user_registry()}, which does not exist: only the packaged "
+    if (missing := missing_user_registry()) is not None:
+        print(f"warning: MLXINFER_MODELS names {missing}, which does not exist: only the packaged "
               "aliases are listed (fix the path or unset it)", file=sys.stderr)
     registry = Registry.load()
     rows = list_models(registry)

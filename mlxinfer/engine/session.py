@@ -32,6 +32,11 @@ class SessionError(MlxinferError):
     """A chat action that cannot be done now (nothing to retry, message too long, bad session file)."""
 
 
+def _is_message(m: Any) -> bool:
+    """A message a session holds, saves and loads: {role: user|assistant, content: text} (+ "interrupted")."""
+    return isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+
+
 def _check_arguments(loaded, params, messages) -> None:
     """A Session's arguments checked as the CLI's are (one line): a model from load(), SamplingParams, and messages
     its own save and load accept (a system message there, or a role 'robot', failed only at from_dict)."""
@@ -47,7 +52,7 @@ def _check_arguments(loaded, params, messages) -> None:
     for i, m in enumerate(messages):
         if isinstance(m, dict) and m.get("role") == "system":
             raise InvalidParameter(f"message {i} is a system message", hint="pass it as Session(..., system=TEXT)")
-        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)):
+        if not _is_message(m):
             raise InvalidParameter(f"message {i} must be {{'role': 'user' or 'assistant', 'content': text}}")
 
 
@@ -404,10 +409,7 @@ class Session:
         if data.get("version") != SESSION_VERSION:
             raise SessionError(f"session format version {data.get('version')} is not supported (expected 1)")
         msgs = data.get("messages")
-        if not isinstance(msgs, list) or not all(
-            isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
-            for m in msgs
-        ):
+        if not isinstance(msgs, list) or not all(_is_message(m) for m in msgs):
             raise SessionError("session messages must be a list of {role: user|assistant, content: text}")
         if not isinstance(data.get("settings", {}), dict):
             raise SessionError("session settings must be a table")
